@@ -1,0 +1,33 @@
+"""Test-only helpers: run functions on N ranks of a real gloo process group, build CPU device
+meshes, and compare sharded results with single-process references.
+
+The public entry points:
+
+- :func:`run_ranks` — call a function on N spawned gloo ranks, get each rank's result; a rank's
+  exception, crash or hang becomes a :class:`RankError` with its traceback / exit code / name.
+- :func:`run_checks` — many checks in one launch, reported per check (:class:`CheckReport`).
+- :func:`make_mesh` — a named CPU ``DeviceMesh`` inside a launched rank.
+- :func:`assert_close` / :func:`assert_grads_close` — parity with the worst element printed.
+"""
+
+from dist_testkit.checks import CheckReport, run_checks
+from dist_testkit.compare import assert_close, assert_grads_close, full
+from dist_testkit.launch import Outcome, RankError, launch, report_progress, run_ranks
+from dist_testkit.mesh import make_mesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckReport",
+    "Outcome",
+    "RankError",
+    "__version__",
+    "assert_close",
+    "assert_grads_close",
+    "full",
+    "launch",
+    "make_mesh",
+    "report_progress",
+    "run_checks",
+    "run_ranks",
+]
