@@ -1,5 +1,30 @@
 """Sequence packing, block-diagonal varlen attention and the gated delta rule under context parallelism."""
 
+from cp_varlen_attn.layout import CPLayout, Piece, shard_sequence, unshard_sequence
+from cp_varlen_attn.packing import (
+    PackedBatch,
+    cu_seqlens_from_doc_ids,
+    doc_ids_from_cu_seqlens,
+    doc_ids_from_indexed_mask,
+    indexed_mask_from_doc_ids,
+    pack_documents,
+)
+from cp_varlen_attn.strategies import STRATEGIES, plan_cp_layout
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "STRATEGIES",
+    "CPLayout",
+    "PackedBatch",
+    "Piece",
+    "__version__",
+    "cu_seqlens_from_doc_ids",
+    "doc_ids_from_cu_seqlens",
+    "doc_ids_from_indexed_mask",
+    "indexed_mask_from_doc_ids",
+    "pack_documents",
+    "plan_cp_layout",
+    "shard_sequence",
+    "unshard_sequence",
+]

@@ -1,0 +1,163 @@
+"""``CPLayout``: which pieces of which documents each context-parallel rank holds.
+
+A layout is a permutation of the packed sequence's tokens into per-rank pieces. A piece is a
+contiguous run ``[start, end)`` of ONE document (offsets inside the document); a rank's local
+tokens are its pieces concatenated in global order. Exactness of attention and of the gated
+delta rule never depends on the layout: they only need, per piece, its document, its offsets
+and where the document's earlier tokens live — all of which the layout states. The strategies
+(``strategies.py``) differ only in balance and communication, which the layout reports.
+
+Every segment of ``cu_seqlens`` is a document here, padding runs included: a padding run then
+attends only to itself, which keeps real documents exact wherever padding sits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+__all__ = ["CPLayout", "Piece", "shard_sequence", "unshard_sequence"]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Piece:
+    """Tokens ``[start, end)`` of document ``doc`` (offsets inside the document)."""
+
+    doc: int
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class CPLayout:
+    """Per rank, the pieces it holds, in global token order.
+
+    ``attn_weight`` and ``token_weight`` are the cost model the layout is measured with: a token
+    at offset ``i`` of its document costs ``attn_weight * (i + 1) + token_weight`` (causal
+    attention over ``i + 1`` keys plus the per-token linear work).
+    """
+
+    cu_seqlens: tuple[int, ...]
+    pieces: tuple[tuple[Piece, ...], ...]
+    strategy: str
+    attn_weight: float = 1.0
+    token_weight: float = 0.0
+    padding_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self._check_complete()
+
+    @property
+    def cp_size(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def seq_len(self) -> int:
+        return self.cu_seqlens[-1]
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    def doc_start(self, doc: int) -> int:
+        return self.cu_seqlens[doc]
+
+    def local_len(self, rank: int) -> int:
+        return sum(len(p) for p in self.pieces[rank])
+
+    @functools.cache  # noqa: B019 - the layout is frozen and small; caching per instance is the point
+    def positions(self, rank: int) -> torch.Tensor:
+        """Global token positions [local_len] held by ``rank``, in local order."""
+        parts = [torch.arange(self.cu_seqlens[p.doc] + p.start, self.cu_seqlens[p.doc] + p.end) for p in self.pieces[rank]]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    def piece_cost(self, piece: Piece) -> float:
+        s, e = piece.start, piece.end
+        return self.attn_weight * (e * (e + 1) - s * (s + 1)) / 2 + self.token_weight * (e - s)
+
+    def rank_costs(self) -> list[float]:
+        return [sum(self.piece_cost(p) for p in pcs) for pcs in self.pieces]
+
+    def compute_imbalance(self) -> float:
+        """max / mean of the per-rank cost (1.0 is perfect)."""
+        return _imbalance(self.rank_costs())
+
+    def token_imbalance(self) -> float:
+        """max / mean of the per-rank token count."""
+        return _imbalance([self.local_len(r) for r in range(self.cp_size)])
+
+    def kv_rows_needed(self, rank: int) -> int:
+        """K/V rows ``rank`` must receive: for each document it holds, the document's tokens
+        before the end of its last local piece that live on other ranks."""
+        last_end: dict[int, int] = {}
+        owned: dict[int, int] = {}
+        for p in self.pieces[rank]:
+            last_end[p.doc] = max(last_end.get(p.doc, 0), p.end)
+            owned[p.doc] = owned.get(p.doc, 0) + len(p)
+        return sum(last_end[d] - owned[d] for d in last_end)
+
+    def kv_bytes(self, bytes_per_token: int) -> list[int]:
+        """Per rank, bytes of K/V received when only the needed pieces are sent."""
+        return [self.kv_rows_needed(r) * bytes_per_token for r in range(self.cp_size)]
+
+    def all_gather_kv_bytes(self, bytes_per_token: int) -> list[int]:
+        """Per rank, bytes of K/V received by an all-gather of the whole sequence."""
+        return [(self.seq_len - self.local_len(r)) * bytes_per_token for r in range(self.cp_size)]
+
+    def as_tensor(self) -> torch.Tensor:
+        """[n_pieces, 4] int64 rows (rank, doc, start, end): cheap to broadcast or compare."""
+        rows = [(r, p.doc, p.start, p.end) for r, pcs in enumerate(self.pieces) for p in pcs]
+        return torch.tensor(rows, dtype=torch.long).reshape(-1, 4)
+
+    def _check_complete(self) -> None:
+        cu = self.cu_seqlens
+        if len(cu) < 1 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:], strict=False)):
+            raise ValueError(f"cu_seqlens must start at 0 and increase strictly, got {list(cu)[:16]}")
+        seen = [0] * self.num_docs
+        for rank, pcs in enumerate(self.pieces):
+            order = [cu[p.doc] + p.start for p in pcs]
+            if order != sorted(order):
+                raise ValueError(f"rank {rank}: pieces must be in global order")
+            for p in pcs:
+                if not (0 <= p.doc < self.num_docs and 0 <= p.start < p.end <= cu[p.doc + 1] - cu[p.doc]):
+                    raise ValueError(f"rank {rank}: piece {p} is empty or outside its document")
+                seen[p.doc] += len(p)
+        for d, n in enumerate(seen):
+            if n != cu[d + 1] - cu[d]:
+                raise ValueError(f"document {d}: pieces cover {n} of its {cu[d + 1] - cu[d]} tokens")
+
+
+def _imbalance(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
+def shard_sequence(tensor: torch.Tensor, layout: CPLayout, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of a per-token tensor (``tensor.shape[dim] == layout.seq_len``)."""
+    if tensor.shape[dim] != layout.seq_len:
+        raise ValueError(f"shard_sequence: dim {dim} has {tensor.shape[dim]} tokens, the layout covers {layout.seq_len}")
+    if not 0 <= rank < layout.cp_size:
+        raise ValueError(f"rank {rank} outside the layout's {layout.cp_size} ranks")
+    return tensor.index_select(dim, layout.positions(rank).to(tensor.device))
+
+
+def unshard_sequence(shards: list[torch.Tensor], layout: CPLayout, dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: every rank's shard (in rank order) → the full tensor.
+
+    Differentiable (an index copy), so it also serves as a reference in tests.
+    """
+    if len(shards) != layout.cp_size:
+        raise ValueError(f"unshard_sequence: got {len(shards)} shards for a layout of {layout.cp_size} ranks")
+    for r, s in enumerate(shards):
+        if s.shape[dim] != layout.local_len(r):
+            raise ValueError(f"unshard_sequence: shard {r} has {s.shape[dim]} tokens along dim {dim}, expected {layout.local_len(r)}")
+    cat = torch.cat(shards, dim)
+    order = torch.cat([layout.positions(r) for r in range(layout.cp_size)]).to(cat.device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return cat.index_select(dim, inverse)
