@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_testkit import assert_close, make_mesh, run_checks
+from dist_testkit import assert_close, make_mesh, named_check, run_checks
 
 
 def check_mesh_named_dims() -> tuple[int, ...]:
@@ -67,3 +67,16 @@ def test_hung_check_is_attributed():
 def test_duplicate_names_rejected():
     with pytest.raises(ValueError, match="unique"):
         run_checks([check_reduce, check_reduce], 2)
+
+
+def scaled_reduce(scale: float) -> float:
+    t = torch.full((1,), scale)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+def test_named_checks_carry_arguments():
+    checks = [named_check(f"reduce_x{s}", scaled_reduce, float(s)) for s in (1, 3)]
+    report = run_checks(checks, 2, timeout=60)
+    assert report.assert_passed("reduce_x1") == [2.0, 2.0]
+    assert report.assert_passed("reduce_x3") == [6.0, 6.0]

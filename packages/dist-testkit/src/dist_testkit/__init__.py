@@ -10,7 +10,7 @@ The public entry points:
 - :func:`assert_close` / :func:`assert_grads_close` — parity with the worst element printed.
 """
 
-from dist_testkit.checks import CheckReport, run_checks
+from dist_testkit.checks import CheckReport, named_check, run_checks
 from dist_testkit.compare import assert_close, assert_grads_close, full
 from dist_testkit.launch import Outcome, RankError, launch, report_progress, run_ranks
 from dist_testkit.mesh import make_mesh
@@ -27,6 +27,7 @@ __all__ = [
     "full",
     "launch",
     "make_mesh",
+    "named_check",
     "report_progress",
     "run_checks",
     "run_ranks",

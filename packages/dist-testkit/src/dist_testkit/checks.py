@@ -23,12 +23,13 @@ Typical use in a test module::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from dist_testkit.launch import DEFAULT_TIMEOUT_S, launch, report_progress
 
-__all__ = ["CheckReport", "run_checks"]
+__all__ = ["CheckReport", "named_check", "run_checks"]
 
 Check = Callable[[], Any]
 
@@ -56,6 +57,13 @@ class CheckReport:
         if failed:
             body = "\n\n".join(f"== {k} ==\n{v}" for k, v in failed.items())
             raise AssertionError(f"{len(failed)} of {len(self.failures)} checks failed:\n{body}")
+
+
+def named_check(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Check:
+    """A parametrized check: ``fn(*args, **kwargs)`` under ``name`` (picklable, unlike a closure)."""
+    check = functools.partial(fn, *args, **kwargs)
+    check.__name__ = name  # type: ignore[attr-defined]  # partial keeps its __dict__ when pickled
+    return check
 
 
 def _run_all(checks: Sequence[Check]) -> None:

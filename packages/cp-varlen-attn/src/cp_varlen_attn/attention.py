@@ -1,0 +1,188 @@
+"""Exact block-diagonal (per-document) causal attention over a CP layout.
+
+Each rank holds the query/key/value rows of its pieces. A query at offset ``i`` of document
+``d`` attends to document ``d``'s keys at offsets ``0..i`` (causal) or all of them (not causal),
+never to another document's. So a piece ``[s, e)`` needs the keys ``[0, e)`` of its document:
+its own rows plus the earlier rows, which :mod:`cp_varlen_attn.exchange` brings from their
+owners (differentiably: their gradients return to the owners, summed).
+
+Per piece this is plain attention of ``e - s`` queries over ``e`` keys with a bottom-right
+aligned causal mask (query ``j`` of the piece sees keys ``< s + j + 1``):
+
+- ``torch`` backend (CPU or GPU): ``scaled_dot_product_attention`` per piece and per block of
+  at most ``QUERY_BLOCK`` queries, with the block's own [block, keys] boolean mask — memory is
+  bounded by the block size times the document length, never [S, S];
+- ``flash`` backend (GPU): one ``flash_attn_varlen_func`` call over all pieces (each piece a
+  varlen "sequence" whose keys are its document prefix; flash-attn aligns causal masks
+  bottom-right when there are more keys than queries, which is exactly this mask).
+
+Nothing is stored in ambient state: the layout and the group are arguments, so activation
+checkpointing's recompute (on the autograd thread) sees exactly what the forward saw.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cp_varlen_attn._agree import agree_or_raise
+from cp_varlen_attn.exchange import exchange_rows, plan_exchange
+from cp_varlen_attn.layout import CPLayout
+
+__all__ = ["BACKENDS", "varlen_attention"]
+
+BACKENDS = ("auto", "torch", "flash")
+QUERY_BLOCK = 1024
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: CPLayout,
+    group: dist.ProcessGroup | None = None,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of this rank's queries over their documents' keys.
+
+    Args:
+        q: [1, T_local, H_q, D] (or [T_local, H_q, D]) this rank's queries, in layout order
+            (``shard_sequence(q_full, layout, rank)``).
+        k, v: [1, T_local, H_kv, D] / [1, T_local, H_kv, D_v]; ``H_q`` a multiple of ``H_kv`` (GQA).
+        layout: the :class:`CPLayout` of the packed sequence; identical on every rank.
+        group: the CP process group (``layout.cp_size`` ranks); ``None`` when ``cp_size == 1``.
+    Returns:
+        [1, T_local, H_q, D_v] (or [T_local, H_q, D_v]), equal to per-document attention of the
+        whole packed sequence, sharded like ``q``.
+    """
+    squeeze = q.dim() == 3
+    rank = dist.get_rank(group) if group is not None else 0
+    _validate(q, k, v, layout, group, rank, backend)
+    if squeeze:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    q_THD, k_THD, v_THD = q[0], k[0], v[0]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    kv_TF = torch.cat([k_THD.flatten(1), v_THD.flatten(1)], dim=1)
+    if layout.cp_size > 1:
+        plan = plan_exchange(layout, rank, causal)
+        kv_RF, row_of = exchange_rows(kv_TF, plan, group), plan.row_of
+    else:
+        kv_RF, row_of = kv_TF, layout.positions(0).argsort()
+    h_kv, d_k = k_THD.shape[1], k_THD.shape[2]
+    k_RHD = kv_RF[:, : h_kv * d_k].unflatten(1, (h_kv, d_k))
+    v_RHD = kv_RF[:, h_kv * d_k :].unflatten(1, (h_kv, v_THD.shape[2]))
+    pieces = _piece_keys(layout, rank, row_of.to(q.device), causal)
+    use_flash = backend == "flash" or (backend == "auto" and q.is_cuda and _flash_available())
+    run = _flash_pieces if use_flash else _torch_pieces
+    out_THD = run(q_THD, k_RHD, v_RHD, pieces, scale, causal)
+    out = out_THD.unsqueeze(0)
+    return out[0] if squeeze else out
+
+
+def _piece_keys(layout: CPLayout, rank: int, row_of: torch.Tensor, causal: bool) -> list[tuple[int, int, int, torch.Tensor]]:
+    """Per local piece: (first local row, length, offset in document, buffer rows of its keys)."""
+    out, local = [], 0
+    for p in layout.pieces[rank]:
+        start = layout.doc_start(p.doc)
+        key_end = p.end if causal else layout.cu_seqlens[p.doc + 1] - start
+        out.append((local, len(p), p.start, row_of[start : start + key_end]))
+        local += len(p)
+    return out
+
+
+def _torch_pieces(q_THD, k_RHD, v_RHD, pieces, scale, causal) -> torch.Tensor:  # noqa: ANN001
+    outs = []
+    for local, n, offset, key_rows in pieces:
+        for b in range(0, n, QUERY_BLOCK):
+            qb = min(QUERY_BLOCK, n - b)
+            n_keys = offset + b + qb if causal else key_rows.numel()
+            rows = key_rows[:n_keys]
+            q_1HQD = q_THD[local + b : local + b + qb].transpose(0, 1).unsqueeze(0)
+            k_1HKD = k_RHD.index_select(0, rows).transpose(0, 1).unsqueeze(0)
+            v_1HKD = v_RHD.index_select(0, rows).transpose(0, 1).unsqueeze(0)
+            mask = None
+            if causal:
+                query_pos = torch.arange(offset + b, offset + b + qb, device=q_THD.device)
+                mask = torch.arange(n_keys, device=q_THD.device)[None, :] <= query_pos[:, None]
+            o = F.scaled_dot_product_attention(
+                q_1HQD, k_1HKD, v_1HKD, attn_mask=mask, scale=scale, enable_gqa=q_1HQD.shape[1] != k_1HKD.shape[1]
+            )
+            outs.append(o[0].transpose(0, 1))
+    if not outs:
+        return q_THD.new_zeros(0, q_THD.shape[1], v_RHD.shape[2])
+    return torch.cat(outs, 0)
+
+
+def _flash_pieces(q_THD, k_RHD, v_RHD, pieces, scale, causal) -> torch.Tensor:  # noqa: ANN001
+    from flash_attn import flash_attn_varlen_func
+
+    key_rows = torch.cat([rows for *_, rows in pieces])
+    q_lens = [n for _, n, _, _ in pieces]
+    k_lens = [rows.numel() for *_, rows in pieces]
+    dev = q_THD.device
+    cu_q = torch.tensor([0, *q_lens], device=dev).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *k_lens], device=dev).cumsum(0).to(torch.int32)
+    return flash_attn_varlen_func(
+        q_THD,
+        k_RHD.index_select(0, key_rows),
+        v_RHD.index_select(0, key_rows),
+        cu_q,
+        cu_k,
+        max(q_lens),
+        max(k_lens),
+        softmax_scale=scale,
+        causal=causal,
+    )
+
+
+def _flash_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _layout_digest(layout: CPLayout) -> int:
+    # tuples of ints hash identically in every process (only str/bytes hashing is salted)
+    return hash((layout.cu_seqlens, layout.pieces)) & ((1 << 62) - 1)
+
+
+def _validate(q, k, v, layout, group, rank, backend) -> None:  # noqa: ANN001
+    error = _local_error(q, k, v, layout, group, rank, backend)
+    if group is not None and dist.get_world_size(group) > 1:
+        digest = torch.tensor([_layout_digest(layout), -_layout_digest(layout)], dtype=torch.int64)
+        dist.all_reduce(digest, op=dist.ReduceOp.MAX, group=group)
+        if error is None and int(digest[0]) != -int(digest[1]):
+            error = "ranks passed different layouts to varlen_attention: every rank must plan the same CPLayout"
+    agree_or_raise(error, group)
+
+
+def _local_error(q, k, v, layout, group, rank, backend) -> str | None:  # noqa: ANN001, PLR0911
+    if backend not in BACKENDS:
+        return f"unknown backend {backend!r}; expected one of {BACKENDS}"
+    if backend == "flash" and not (_flash_available() and q.is_cuda):
+        return "backend='flash' needs the flash-attn package and CUDA tensors (install cp-varlen-attn[gpu])"
+    if not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4)):
+        return f"q, k, v must all be [1, T, H, D] (or [T, H, D]); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    if q.dim() == 4 and q.shape[0] != 1:
+        return f"the layout describes one packed sequence: batch size must be 1, got {q.shape[0]}"
+    t_dim = q.dim() - 3
+    if not (q.shape[t_dim] == k.shape[t_dim] == v.shape[t_dim]):
+        return f"q, k, v token counts differ: {q.shape[t_dim]}, {k.shape[t_dim]}, {v.shape[t_dim]}"
+    if k.shape[-2] != v.shape[-2] or q.shape[-1] != k.shape[-1]:
+        return f"k/v heads or q/k head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.shape[-2] % k.shape[-2] != 0:
+        return f"GQA needs query heads to be a multiple of key/value heads; got {q.shape[-2]} and {k.shape[-2]}"
+    world = dist.get_world_size(group) if group is not None else 1
+    if world != layout.cp_size:
+        return f"the layout is for {layout.cp_size} CP ranks but the group has {world}"
+    if q.shape[t_dim] != layout.local_len(rank):
+        return f"rank {rank} holds {layout.local_len(rank)} tokens in the layout but got {q.shape[t_dim]}"
+    return None
