@@ -2,6 +2,7 @@
 
 from cp_varlen_attn.attention import BACKENDS, varlen_attention
 from cp_varlen_attn.exchange import ExchangePlan, exchange_rows, plan_exchange
+from cp_varlen_attn.hf_flash_mask import preserve_indexed_mask_for_flash_attention, unpad_data_from_indexed_mask
 from cp_varlen_attn.layout import CPLayout, Piece, shard_sequence, unshard_sequence
 from cp_varlen_attn.packing import (
     PackedBatch,
@@ -31,7 +32,9 @@ __all__ = [
     "pack_documents",
     "plan_cp_layout",
     "plan_exchange",
+    "preserve_indexed_mask_for_flash_attention",
     "shard_sequence",
+    "unpad_data_from_indexed_mask",
     "unshard_sequence",
     "varlen_attention",
 ]
