@@ -50,7 +50,11 @@ def cu_of(lengths: list[int]) -> list[int]:
 
 
 def main() -> None:
-    packs = {"long-tailed": long_tailed(0), "one 128K doc": one_document(), "video + short": video_plus_short(0)}
+    packs = {
+        "long-tailed": long_tailed(0),
+        "one 128K doc": one_document(),
+        "video + short": video_plus_short(0),
+    }
     header = f"{'pack':<14}{'cp':>4}  {'strategy':<11}{'compute':>9}{'tokens':>8}{'attn-only':>11}{'tokens':>8}{'padding':>9}{'KV/all-gather':>15}"
     print(header)
     print("-" * len(header))

@@ -23,7 +23,7 @@ CASES = [
 TOL = {"rtol": 1e-9, "atol": 1e-10}
 
 
-def _inputs(lengths, hq, hkv, d, seed=0):  # noqa: ANN001
+def _inputs(lengths, hq, hkv, d, seed=0):
     g = torch.Generator().manual_seed(seed)
     t = sum(lengths)
     q = torch.randn(t, hq, d, generator=g, dtype=torch.float64)
@@ -33,7 +33,7 @@ def _inputs(lengths, hq, hkv, d, seed=0):  # noqa: ANN001
     return q, k, v, w
 
 
-def _reference(lengths, hq, hkv, d, causal):  # noqa: ANN001
+def _reference(lengths, hq, hkv, d, causal):
     q, k, v, w = _inputs(lengths, hq, hkv, d)
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     out = per_document_attention(q, k, v, cu_from_lengths(lengths), causal=causal)
@@ -41,14 +41,14 @@ def _reference(lengths, hq, hkv, d, causal):  # noqa: ANN001
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _sharded(lengths, hq, hkv, d, causal, strategy, group, use_checkpoint=False):  # noqa: ANN001
+def _sharded(lengths, hq, hkv, d, causal, strategy, group, use_checkpoint=False):
     cp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     layout = plan_cp_layout(cu_from_lengths(lengths), cp, strategy=strategy)
     q, k, v, w = (shard_sequence(x, layout, rank, dim=0) for x in _inputs(lengths, hq, hkv, d))
     q, k, v = (x.clone().unsqueeze(0).requires_grad_() for x in (q, k, v))
 
-    def attend(q, k, v):  # noqa: ANN001, ANN202
+    def attend(q, k, v):
         return varlen_attention(q, k, v, layout, group, causal=causal)
 
     out = checkpoint(attend, q, k, v, use_reentrant=False) if use_checkpoint else attend(q, k, v)
@@ -56,12 +56,16 @@ def _sharded(lengths, hq, hkv, d, causal, strategy, group, use_checkpoint=False)
     return layout, rank, out[0].detach(), q.grad[0], k.grad[0], v.grad[0]
 
 
-def _compare(case, strategy, use_checkpoint=False):  # noqa: ANN001
+def _compare(case, strategy, use_checkpoint=False):
     name, lengths, hq, hkv, d, causal = case
     ref = _reference(lengths, hq, hkv, d, causal)
-    layout, rank, *got = _sharded(lengths, hq, hkv, d, causal, strategy, dist.group.WORLD, use_checkpoint)
+    layout, rank, *got = _sharded(
+        lengths, hq, hkv, d, causal, strategy, dist.group.WORLD, use_checkpoint
+    )
     for label, g, r in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
-        assert_close(g, shard_sequence(r, layout, rank, dim=0), name=f"{name}/{strategy}/{label}", **TOL)
+        assert_close(
+            g, shard_sequence(r, layout, rank, dim=0), name=f"{name}/{strategy}/{label}", **TOL
+        )
 
 
 def check_under_activation_checkpointing():
@@ -118,7 +122,9 @@ def test_single_rank_bad_input():
     layout = plan_cp_layout([0, 4, 9], 1)
     x = torch.randn(1, 9, 4, 8)
     with pytest.raises(ValueError, match="batch size must be 1"):
-        varlen_attention(x.expand(2, -1, -1, -1), x.expand(2, -1, -1, -1), x.expand(2, -1, -1, -1), layout)
+        varlen_attention(
+            x.expand(2, -1, -1, -1), x.expand(2, -1, -1, -1), x.expand(2, -1, -1, -1), layout
+        )
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         varlen_attention(x, x[:, :, :3], x[:, :, :3], layout)
     with pytest.raises(ValueError, match="holds 9 tokens in the layout but got 8"):

@@ -10,18 +10,18 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("transformers.models.qwen3_5_moe", reason="needs transformers >= 5.2")
-from transformers import masking_utils  # noqa: E402
-from transformers import modeling_flash_attention_utils as fa_utils  # noqa: E402
-from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig  # noqa: E402
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel  # noqa: E402
+from transformers import masking_utils
+from transformers import modeling_flash_attention_utils as fa_utils
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
 
-from cp_varlen_attn import (  # noqa: E402
+from cp_varlen_attn import (
     PackedBatch,
     indexed_mask_from_doc_ids,
     preserve_indexed_mask_for_flash_attention,
     unpad_data_from_indexed_mask,
 )
-from dist_testkit import assert_close  # noqa: E402
+from dist_testkit import assert_close
 
 DOCS = [torch.tensor([5, 9, 3, 7, 2]), torch.tensor([11]), torch.tensor([4, 4, 8, 30, 12, 6, 1])]
 
@@ -37,7 +37,19 @@ def _model() -> Qwen3_5MoeTextModel:
     return Qwen3_5MoeTextModel(cfg).eval()
 
 
-def _cpu_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False, **_):  # noqa: ANN001, ANN003, E501
+def _cpu_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    **_,
+):
     """flash_attn_varlen_func's contract on CPU: each cu_seqlens segment attends to itself."""
     assert torch.equal(cu_seqlens_q, cu_seqlens_k)
     outs = []
@@ -55,25 +67,34 @@ def cpu_flash(monkeypatch):
     """Route transformers' FlashAttention-2 calls to the CPU varlen stand-in (this test only)."""
     process = fa_utils._lazy_define_process_function(_cpu_varlen)
 
-    def lazy_import(implementation, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        return (None, _cpu_varlen, None, fa_utils._pad_input, fa_utils._unpad_input), (process, dict)
+    def lazy_import(implementation, *args, **kwargs):
+        return (None, _cpu_varlen, None, fa_utils._pad_input, fa_utils._unpad_input), (
+            process,
+            dict,
+        )
 
     monkeypatch.setattr(fa_utils, "lazy_import_flash_attention", lazy_import)
-    monkeypatch.setattr(masking_utils, "_preprocess_mask_arguments", masking_utils._preprocess_mask_arguments)
+    monkeypatch.setattr(
+        masking_utils, "_preprocess_mask_arguments", masking_utils._preprocess_mask_arguments
+    )
     monkeypatch.setattr(fa_utils, "_get_unpad_data", fa_utils._get_unpad_data)
 
 
-def _per_document(model):  # noqa: ANN001
+def _per_document(model):
     with torch.no_grad():
         return torch.cat([model(input_ids=d[None]).last_hidden_state[0] for d in DOCS])
 
 
-def _packed_fa2(model):  # noqa: ANN001
+def _packed_fa2(model):
     batch = PackedBatch.from_documents(DOCS, 16)
     model.config._attn_implementation = "flash_attention_2"
     mask = indexed_mask_from_doc_ids(batch.doc_ids)[None]
     with torch.no_grad():
-        out = model(input_ids=batch.input_ids[None], attention_mask=mask, position_ids=batch.position_ids[None])
+        out = model(
+            input_ids=batch.input_ids[None],
+            attention_mask=mask,
+            position_ids=batch.position_ids[None],
+        )
     return out.last_hidden_state[0][batch.doc_ids != 0]
 
 
@@ -90,7 +111,9 @@ def test_without_the_shim_documents_leak(cpu_flash):
     reference = _per_document(model)
     leaked = _packed_fa2(model)
     first = DOCS[0].numel()
-    assert_close(leaked[:first], reference[:first], rtol=1e-5, atol=1e-5)  # the first document sees nothing before it
+    assert_close(
+        leaked[:first], reference[:first], rtol=1e-5, atol=1e-5
+    )  # the first document sees nothing before it
     assert (leaked[first:] - reference[first:]).abs().max() > 1e-3
 
 
@@ -100,7 +123,12 @@ def test_other_implementations_untouched(cpu_flash):
     mask = torch.tensor([[1, 1, 2, 2, 0]])
     embeds = torch.zeros(1, 5, 32)
     got = masking_utils.create_causal_mask(model.config, embeds, mask, None)  # sdpa config
-    assert got.dtype == torch.bool and got.shape == (1, 1, 5, 5)  # built from the bool mask as before
+    assert got.dtype == torch.bool and got.shape == (
+        1,
+        1,
+        5,
+        5,
+    )  # built from the bool mask as before
 
 
 def test_unpad_data_from_indexed_mask():
@@ -114,7 +142,9 @@ def test_unpad_data_from_indexed_mask():
 
 def test_fails_loudly_when_internals_change(monkeypatch):
     monkeypatch.delattr(fa_utils, "_get_unpad_data")
-    with pytest.raises(RuntimeError, match=r"transformers .* changed the internals.*_get_unpad_data"):
+    with pytest.raises(
+        RuntimeError, match=r"transformers .* changed the internals.*_get_unpad_data"
+    ):
         preserve_indexed_mask_for_flash_attention()
 
 
@@ -128,5 +158,11 @@ def test_real_flash_attention_2():
     batch = PackedBatch.from_documents(DOCS, 16)
     model.config._attn_implementation = "flash_attention_2"
     mask = indexed_mask_from_doc_ids(batch.doc_ids)[None].cuda()
-    out = model(input_ids=batch.input_ids[None].cuda(), attention_mask=mask, position_ids=batch.position_ids[None].cuda())
-    torch.testing.assert_close(out.last_hidden_state[0][batch.doc_ids.cuda() != 0], reference, rtol=3e-2, atol=3e-2)
+    out = model(
+        input_ids=batch.input_ids[None].cuda(),
+        attention_mask=mask,
+        position_ids=batch.position_ids[None].cuda(),
+    )
+    torch.testing.assert_close(
+        out.last_hidden_state[0][batch.doc_ids.cuda() != 0], reference, rtol=3e-2, atol=3e-2
+    )

@@ -48,7 +48,10 @@ def test_zigzag_reports_megatron_padding_and_contiguous_is_contiguous():
     assert zz.padding_tokens == (4 - 5 % 4) + 0 + 3
     assert zz.pieces[0][0] == Piece(0, 0, 1)  # head chunk of document 0
     ct = plan_cp_layout(cu, 2, strategy="contiguous")
-    assert [layout.tolist() for layout in (ct.positions(0), ct.positions(1))] == [list(range(7)), list(range(7, 14))]
+    assert [layout.tolist() for layout in (ct.positions(0), ct.positions(1))] == [
+        list(range(7)),
+        list(range(7, 14)),
+    ]
 
 
 def test_kv_rows_needed_counts_earlier_foreign_tokens():

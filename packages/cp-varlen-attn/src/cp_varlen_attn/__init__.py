@@ -1,8 +1,15 @@
 """Sequence packing, block-diagonal varlen attention and the gated delta rule under context parallelism."""
 
 from cp_varlen_attn.attention import BACKENDS, varlen_attention
+from cp_varlen_attn.conv import causal_conv1d
 from cp_varlen_attn.exchange import ExchangePlan, exchange_rows, plan_exchange
-from cp_varlen_attn.hf_flash_mask import preserve_indexed_mask_for_flash_attention, unpad_data_from_indexed_mask
+from cp_varlen_attn.gated_delta import GDN_BACKENDS, gated_delta_rule
+from cp_varlen_attn.gdn_cp import SummaryPlan, plan_summaries
+from cp_varlen_attn.hf_flash_mask import (
+    preserve_indexed_mask_for_flash_attention,
+    unpad_data_from_indexed_mask,
+)
+from cp_varlen_attn.hf_gdn import packed_gated_deltanet_forward
 from cp_varlen_attn.layout import CPLayout, Piece, shard_sequence, unshard_sequence
 from cp_varlen_attn.packing import (
     PackedBatch,
@@ -18,20 +25,26 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "GDN_BACKENDS",
     "STRATEGIES",
-    "ExchangePlan",
     "CPLayout",
+    "ExchangePlan",
     "PackedBatch",
     "Piece",
+    "SummaryPlan",
     "__version__",
+    "causal_conv1d",
     "cu_seqlens_from_doc_ids",
     "doc_ids_from_cu_seqlens",
     "doc_ids_from_indexed_mask",
     "exchange_rows",
+    "gated_delta_rule",
     "indexed_mask_from_doc_ids",
     "pack_documents",
+    "packed_gated_deltanet_forward",
     "plan_cp_layout",
     "plan_exchange",
+    "plan_summaries",
     "preserve_indexed_mask_for_flash_attention",
     "shard_sequence",
     "unpad_data_from_indexed_mask",

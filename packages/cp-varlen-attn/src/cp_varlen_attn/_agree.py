@@ -29,4 +29,6 @@ def agree_or_raise(error: str | None, group: dist.ProcessGroup | None) -> None:
         return
     if error is not None:
         raise ValueError(error)
-    raise ValueError(f"invalid input on rank(s) {bad} of the group (see their error); raising here too so no rank hangs")
+    raise ValueError(
+        f"invalid input on rank(s) {bad} of the group (see their error); raising here too so no rank hangs"
+    )

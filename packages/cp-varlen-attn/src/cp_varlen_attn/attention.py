@@ -85,7 +85,9 @@ def varlen_attention(
     return out[0] if squeeze else out
 
 
-def _piece_keys(layout: CPLayout, rank: int, row_of: torch.Tensor, causal: bool) -> list[tuple[int, int, int, torch.Tensor]]:
+def _piece_keys(
+    layout: CPLayout, rank: int, row_of: torch.Tensor, causal: bool
+) -> list[tuple[int, int, int, torch.Tensor]]:
     """Per local piece: (first local row, length, offset in document, buffer rows of its keys)."""
     out, local = [], 0
     for p in layout.pieces[rank]:
@@ -96,7 +98,7 @@ def _piece_keys(layout: CPLayout, rank: int, row_of: torch.Tensor, causal: bool)
     return out
 
 
-def _torch_pieces(q_THD, k_RHD, v_RHD, pieces, scale, causal) -> torch.Tensor:  # noqa: ANN001
+def _torch_pieces(q_THD, k_RHD, v_RHD, pieces, scale, causal) -> torch.Tensor:
     outs = []
     for local, n, offset, key_rows in pieces:
         for b in range(0, n, QUERY_BLOCK):
@@ -111,7 +113,12 @@ def _torch_pieces(q_THD, k_RHD, v_RHD, pieces, scale, causal) -> torch.Tensor:  
                 query_pos = torch.arange(offset + b, offset + b + qb, device=q_THD.device)
                 mask = torch.arange(n_keys, device=q_THD.device)[None, :] <= query_pos[:, None]
             o = F.scaled_dot_product_attention(
-                q_1HQD, k_1HKD, v_1HKD, attn_mask=mask, scale=scale, enable_gqa=q_1HQD.shape[1] != k_1HKD.shape[1]
+                q_1HQD,
+                k_1HKD,
+                v_1HKD,
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=q_1HQD.shape[1] != k_1HKD.shape[1],
             )
             outs.append(o[0].transpose(0, 1))
     if not outs:
@@ -119,7 +126,7 @@ def _torch_pieces(q_THD, k_RHD, v_RHD, pieces, scale, causal) -> torch.Tensor:  
     return torch.cat(outs, 0)
 
 
-def _flash_pieces(q_THD, k_RHD, v_RHD, pieces, scale, causal) -> torch.Tensor:  # noqa: ANN001
+def _flash_pieces(q_THD, k_RHD, v_RHD, pieces, scale, causal) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
 
     key_rows = torch.cat([rows for *_, rows in pieces])
@@ -154,7 +161,7 @@ def _layout_digest(layout: CPLayout) -> int:
     return hash((layout.cu_seqlens, layout.pieces)) & ((1 << 62) - 1)
 
 
-def _validate(q, k, v, layout, group, rank, backend) -> None:  # noqa: ANN001
+def _validate(q, k, v, layout, group, rank, backend) -> None:
     error = _local_error(q, k, v, layout, group, rank, backend)
     if group is not None and dist.get_world_size(group) > 1:
         digest = torch.tensor([_layout_digest(layout), -_layout_digest(layout)], dtype=torch.int64)
@@ -164,7 +171,7 @@ def _validate(q, k, v, layout, group, rank, backend) -> None:  # noqa: ANN001
     agree_or_raise(error, group)
 
 
-def _local_error(q, k, v, layout, group, rank, backend) -> str | None:  # noqa: ANN001, PLR0911
+def _local_error(q, k, v, layout, group, rank, backend) -> str | None:
     if backend not in BACKENDS:
         return f"unknown backend {backend!r}; expected one of {BACKENDS}"
     if backend == "flash" and not (_flash_available() and q.is_cuda):

@@ -54,7 +54,9 @@ def plan_exchange(layout: CPLayout, rank: int, causal: bool = True) -> ExchangeP
     pieces depend on their document's earlier tokens, non-causal ones on all of it."""
     cp, seq = layout.cp_size, layout.seq_len
     needed = [_needed_positions(layout, r, causal) for r in range(cp)]
-    if cp > 1 and sum(n.numel() for n in needed) >= ALL_GATHER_FRACTION * sum(layout.all_gather_kv_bytes(1)):
+    if cp > 1 and sum(n.numel() for n in needed) >= ALL_GATHER_FRACTION * sum(
+        layout.all_gather_kv_bytes(1)
+    ):
         return _all_gather_plan(layout, rank)
     owner = torch.empty(seq, dtype=torch.long)
     local_row = torch.empty(seq, dtype=torch.long)
@@ -74,7 +76,11 @@ def plan_exchange(layout: CPLayout, rank: int, causal: bool = True) -> ExchangeP
     arrived = torch.cat(recv_parts)
     row_of[arrived] = torch.arange(mine.numel(), mine.numel() + arrived.numel())
     return ExchangePlan(
-        "pieces", torch.cat(send_parts), [p.numel() for p in send_parts], [p.numel() for p in recv_parts], row_of
+        "pieces",
+        torch.cat(send_parts),
+        [p.numel() for p in send_parts],
+        [p.numel() for p in recv_parts],
+        row_of,
     )
 
 
@@ -95,12 +101,17 @@ def _needed_positions(layout: CPLayout, rank: int, causal: bool) -> torch.Tensor
         last_end[p.doc] = max(last_end.get(p.doc, 0), end)
     mine = torch.zeros(layout.seq_len, dtype=torch.bool)
     mine[layout.positions(rank)] = True
-    parts = [torch.arange(layout.doc_start(d), layout.doc_start(d) + e) for d, e in sorted(last_end.items())]
+    parts = [
+        torch.arange(layout.doc_start(d), layout.doc_start(d) + e)
+        for d, e in sorted(last_end.items())
+    ]
     cand = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
     return cand[~mine[cand]]
 
 
-def exchange_rows(local_TF: torch.Tensor, plan: ExchangePlan, group: dist.ProcessGroup) -> torch.Tensor:
+def exchange_rows(
+    local_TF: torch.Tensor, plan: ExchangePlan, group: dist.ProcessGroup
+) -> torch.Tensor:
     """[T_local, F] → the buffer [R, F] indexed by ``plan.row_of`` (differentiable)."""
     if plan.transport == "all_gather":
         padded = torch.nn.functional.pad(local_TF, (0, 0, 0, plan.gather_width - local_TF.shape[0]))

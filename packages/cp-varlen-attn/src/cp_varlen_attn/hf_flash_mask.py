@@ -81,14 +81,14 @@ def preserve_indexed_mask_for_flash_attention() -> None:
     original_unpad = fa_utils._get_unpad_data
 
     @functools.wraps(original_preprocess)
-    def preprocess(config, inputs_embeds, attention_mask, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def preprocess(config, inputs_embeds, attention_mask, *args, **kwargs):
         if _uses_flash(config) and _is_indexed(attention_mask):
             # early exit: the indexed mask goes to the attention layers as it is
             return True, attention_mask.to(inputs_embeds.device), None, None, None, None, None
         return original_preprocess(config, inputs_embeds, attention_mask, *args, **kwargs)
 
     @functools.wraps(original_unpad)
-    def unpad(attention_mask):  # noqa: ANN001, ANN202
+    def unpad(attention_mask):
         if _is_indexed(attention_mask):
             return unpad_data_from_indexed_mask(attention_mask)
         return original_unpad(attention_mask)
@@ -107,16 +107,27 @@ def _check_internals(version: str, masking_utils: object, fa_utils: object) -> N
     else:
         params = list(inspect.signature(preprocess).parameters)[:3]
         if params != ["config", "inputs_embeds", "attention_mask"]:
-            problems.append(f"masking_utils._preprocess_mask_arguments takes {params}, expected config, inputs_embeds, attention_mask")
+            problems.append(
+                f"masking_utils._preprocess_mask_arguments takes {params}, expected config, inputs_embeds, attention_mask"
+            )
     create = getattr(masking_utils, "create_causal_mask", None)
-    if create is None or "_preprocess_mask_arguments" not in inspect.unwrap(create).__code__.co_names:
-        problems.append("masking_utils.create_causal_mask no longer calls _preprocess_mask_arguments")
+    if (
+        create is None
+        or "_preprocess_mask_arguments" not in inspect.unwrap(create).__code__.co_names
+    ):
+        problems.append(
+            "masking_utils.create_causal_mask no longer calls _preprocess_mask_arguments"
+        )
     unpad = getattr(fa_utils, "_get_unpad_data", None)
     if unpad is None or list(inspect.signature(unpad).parameters) != ["attention_mask"]:
-        problems.append("modeling_flash_attention_utils._get_unpad_data(attention_mask) is gone or changed")
+        problems.append(
+            "modeling_flash_attention_utils._get_unpad_data(attention_mask) is gone or changed"
+        )
     upad = getattr(fa_utils, "_upad_input", None)
     if upad is None or "_get_unpad_data" not in upad.__code__.co_names:
-        problems.append("modeling_flash_attention_utils._upad_input no longer calls _get_unpad_data")
+        problems.append(
+            "modeling_flash_attention_utils._upad_input no longer calls _get_unpad_data"
+        )
     if problems:
         raise RuntimeError(
             f"preserve_indexed_mask_for_flash_attention: transformers {version} changed the internals it patches: "

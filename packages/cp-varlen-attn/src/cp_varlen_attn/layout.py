@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import torch
 
@@ -73,7 +74,10 @@ class CPLayout:
     @functools.cache  # noqa: B019 - the layout is frozen and small; caching per instance is the point
     def positions(self, rank: int) -> torch.Tensor:
         """Global token positions [local_len] held by ``rank``, in local order."""
-        parts = [torch.arange(self.cu_seqlens[p.doc] + p.start, self.cu_seqlens[p.doc] + p.end) for p in self.pieces[rank]]
+        parts = [
+            torch.arange(self.cu_seqlens[p.doc] + p.start, self.cu_seqlens[p.doc] + p.end)
+            for p in self.pieces[rank]
+        ]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
     def piece_cost(self, piece: Piece) -> float:
@@ -116,20 +120,26 @@ class CPLayout:
 
     def _check_complete(self) -> None:
         cu = self.cu_seqlens
-        if len(cu) < 1 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:], strict=False)):
-            raise ValueError(f"cu_seqlens must start at 0 and increase strictly, got {list(cu)[:16]}")
+        if len(cu) < 1 or cu[0] != 0 or any(b <= a for a, b in itertools.pairwise(cu)):
+            raise ValueError(
+                f"cu_seqlens must start at 0 and increase strictly, got {list(cu)[:16]}"
+            )
         seen = [0] * self.num_docs
         for rank, pcs in enumerate(self.pieces):
             order = [cu[p.doc] + p.start for p in pcs]
             if order != sorted(order):
                 raise ValueError(f"rank {rank}: pieces must be in global order")
             for p in pcs:
-                if not (0 <= p.doc < self.num_docs and 0 <= p.start < p.end <= cu[p.doc + 1] - cu[p.doc]):
+                if not (
+                    0 <= p.doc < self.num_docs and 0 <= p.start < p.end <= cu[p.doc + 1] - cu[p.doc]
+                ):
                     raise ValueError(f"rank {rank}: piece {p} is empty or outside its document")
                 seen[p.doc] += len(p)
         for d, n in enumerate(seen):
             if n != cu[d + 1] - cu[d]:
-                raise ValueError(f"document {d}: pieces cover {n} of its {cu[d + 1] - cu[d]} tokens")
+                raise ValueError(
+                    f"document {d}: pieces cover {n} of its {cu[d + 1] - cu[d]} tokens"
+                )
 
 
 def _imbalance(values: list[float]) -> float:
@@ -140,7 +150,9 @@ def _imbalance(values: list[float]) -> float:
 def shard_sequence(tensor: torch.Tensor, layout: CPLayout, rank: int, dim: int = 1) -> torch.Tensor:
     """This rank's tokens of a per-token tensor (``tensor.shape[dim] == layout.seq_len``)."""
     if tensor.shape[dim] != layout.seq_len:
-        raise ValueError(f"shard_sequence: dim {dim} has {tensor.shape[dim]} tokens, the layout covers {layout.seq_len}")
+        raise ValueError(
+            f"shard_sequence: dim {dim} has {tensor.shape[dim]} tokens, the layout covers {layout.seq_len}"
+        )
     if not 0 <= rank < layout.cp_size:
         raise ValueError(f"rank {rank} outside the layout's {layout.cp_size} ranks")
     return tensor.index_select(dim, layout.positions(rank).to(tensor.device))
@@ -152,10 +164,14 @@ def unshard_sequence(shards: list[torch.Tensor], layout: CPLayout, dim: int = 1)
     Differentiable (an index copy), so it also serves as a reference in tests.
     """
     if len(shards) != layout.cp_size:
-        raise ValueError(f"unshard_sequence: got {len(shards)} shards for a layout of {layout.cp_size} ranks")
+        raise ValueError(
+            f"unshard_sequence: got {len(shards)} shards for a layout of {layout.cp_size} ranks"
+        )
     for r, s in enumerate(shards):
         if s.shape[dim] != layout.local_len(r):
-            raise ValueError(f"unshard_sequence: shard {r} has {s.shape[dim]} tokens along dim {dim}, expected {layout.local_len(r)}")
+            raise ValueError(
+                f"unshard_sequence: shard {r} has {s.shape[dim]} tokens along dim {dim}, expected {layout.local_len(r)}"
+            )
     cat = torch.cat(shards, dim)
     order = torch.cat([layout.positions(r) for r in range(layout.cp_size)]).to(cat.device)
     inverse = torch.empty_like(order)

@@ -148,27 +148,38 @@ class PackedBatch:
             raise ValueError("from_documents needs at least one document")
         for i, d in enumerate(documents):
             if d.dim() != 1 or d.numel() == 0:
-                raise ValueError(f"document {i}: expected a non-empty 1-D token tensor, got shape {tuple(d.shape)}")
+                raise ValueError(
+                    f"document {i}: expected a non-empty 1-D token tensor, got shape {tuple(d.shape)}"
+                )
         total = sum(d.numel() for d in documents)
         capacity = total if capacity is None else capacity
         if total > capacity:
             raise ValueError(f"documents hold {total} tokens, more than the capacity {capacity}")
         device = documents[0].device
         pad = capacity - total
-        input_ids = torch.cat([*documents, torch.full((pad,), pad_token_id, dtype=documents[0].dtype, device=device)])
+        input_ids = torch.cat(
+            [*documents, torch.full((pad,), pad_token_id, dtype=documents[0].dtype, device=device)]
+        )
         doc_ids = torch.cat(
-            [torch.full((d.numel(),), i + 1, dtype=torch.long, device=device) for i, d in enumerate(documents)]
+            [
+                torch.full((d.numel(),), i + 1, dtype=torch.long, device=device)
+                for i, d in enumerate(documents)
+            ]
             + [torch.zeros(pad, dtype=torch.long, device=device)]
         )
         return cls.from_doc_ids(input_ids, doc_ids, ignore_index=ignore_index)
 
     @classmethod
-    def from_doc_ids(cls, input_ids: torch.Tensor, doc_ids: torch.Tensor, *, ignore_index: int = -100) -> PackedBatch:
+    def from_doc_ids(
+        cls, input_ids: torch.Tensor, doc_ids: torch.Tensor, *, ignore_index: int = -100
+    ) -> PackedBatch:
         """Build the metadata of an already packed sequence (padding may sit anywhere)."""
         _check_1d(input_ids, "input_ids")
         _check_1d(doc_ids, "doc_ids")
         if input_ids.shape != doc_ids.shape:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and doc_ids {tuple(doc_ids.shape)} differ in shape")
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and doc_ids {tuple(doc_ids.shape)} differ in shape"
+            )
         cu = cu_seqlens_from_doc_ids(doc_ids)
         lengths = (cu[1:] - cu[:-1]).long()
         starts = torch.repeat_interleave(cu[:-1].long(), lengths)
@@ -186,7 +197,9 @@ def _check_1d(t: torch.Tensor, name: str) -> None:
 
 def _check_cu_seqlens(cu: torch.Tensor) -> None:
     if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"cu_seqlens: expected a 1-D tensor of at least one boundary, got shape {tuple(cu.shape)}")
+        raise ValueError(
+            f"cu_seqlens: expected a 1-D tensor of at least one boundary, got shape {tuple(cu.shape)}"
+        )
     if int(cu[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
     if cu.numel() > 1 and bool((cu[1:] <= cu[:-1]).any()):

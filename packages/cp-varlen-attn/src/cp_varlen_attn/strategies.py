@@ -21,6 +21,7 @@ Ranks receive K/V only for the split documents, and only their earlier parts.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -44,7 +45,6 @@ DEFAULT_TOKEN_WEIGHT = 16384.0
 SPLIT_FILL = 0.5
 
 
-
 def plan_cp_layout(
     cu_seqlens: torch.Tensor | Sequence[int],
     cp_size: int,
@@ -62,10 +62,12 @@ def plan_cp_layout(
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     if attn_weight < 0 or token_weight < 0 or attn_weight + token_weight == 0:
-        raise ValueError(f"cost weights must be >= 0 and not both 0, got attn {attn_weight}, token {token_weight}")
+        raise ValueError(
+            f"cost weights must be >= 0 and not both 0, got attn {attn_weight}, token {token_weight}"
+        )
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
-    lengths = [b - a for a, b in zip(cu, cu[1:], strict=False)]
+    lengths = [b - a for a, b in itertools.pairwise(cu)]
     padding = 0
     if strategy == "contiguous":
         per_rank = _contiguous(cu, cp_size)
@@ -81,15 +83,21 @@ def plan_cp_layout(
 def _as_boundaries(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1:
-            raise ValueError(f"cu_seqlens: expected a 1-D tensor, got shape {tuple(cu_seqlens.shape)}")
+            raise ValueError(
+                f"cu_seqlens: expected a 1-D tensor, got shape {tuple(cu_seqlens.shape)}"
+            )
         cu = [int(x) for x in cu_seqlens.tolist()]
     else:
         cu = [int(x) for x in cu_seqlens]
     if len(cu) < 2 or cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0 and hold at least one document, got {cu[:16]}")
+        raise ValueError(
+            f"cu_seqlens must start at 0 and hold at least one document, got {cu[:16]}"
+        )
     bad = [i for i in range(1, len(cu)) if cu[i] <= cu[i - 1]]
     if bad:
-        raise ValueError(f"cu_seqlens must increase strictly; entry {bad[0]} ({cu[bad[0]]}) follows {cu[bad[0] - 1]}")
+        raise ValueError(
+            f"cu_seqlens must increase strictly; entry {bad[0]} ({cu[bad[0]]}) follows {cu[bad[0] - 1]}"
+        )
     return cu
 
 
@@ -140,7 +148,10 @@ class _Balancer:
         order = sorted(range(len(self.lengths)), key=lambda d: (-self.lengths[d], d))
         whole, leftover = [], []
         for d in order:
-            demand = max(self.prefix(self.lengths[d]) / self.cost_per_rank, self.lengths[d] / self.tokens_per_rank)
+            demand = max(
+                self.prefix(self.lengths[d]) / self.cost_per_rank,
+                self.lengths[d] / self.tokens_per_rank,
+            )
             if demand > 1.0:
                 k = min(self.cp, math.ceil(demand / SPLIT_FILL))
                 self.split(d, sorted(range(self.cp), key=lambda r: (-self.room(r), r))[:k])
@@ -161,11 +172,17 @@ class _Balancer:
         remaining (cost, tokens) best matches its demand (largest normalised dot product)."""
         n, cost = self.lengths[doc], self.prefix(self.lengths[doc])
         fits = [
-            r for r in range(self.cp) if cost <= self.cost_left[r] + self.eps and n <= self.tokens_left[r] + 0.5
+            r
+            for r in range(self.cp)
+            if cost <= self.cost_left[r] + self.eps and n <= self.tokens_left[r] + 0.5
         ]
         return max(
             fits,
-            key=lambda r: (cost * self.cost_left[r] / self.cost_per_rank + n * self.tokens_left[r] / self.tokens_per_rank, -r),
+            key=lambda r: (
+                cost * self.cost_left[r] / self.cost_per_rank
+                + n * self.tokens_left[r] / self.tokens_per_rank,
+                -r,
+            ),
             default=None,
         )
 
@@ -195,7 +212,9 @@ class _Balancer:
         cost_room = sum(max(self.cost_left[r], 0.0) for r in chosen)
         h, t = 0, n
         for r in chosen[:-1]:
-            t_share = max(self.tokens_left[r], 0.0) / token_room if token_room > 0 else 1 / len(chosen)
+            t_share = (
+                max(self.tokens_left[r], 0.0) / token_room if token_room > 0 else 1 / len(chosen)
+            )
             c_share = max(self.cost_left[r], 0.0) / cost_room if cost_room > 0 else 1 / len(chosen)
             budget = cost * c_share
             count = self.feasible_count(h, t, round(n * t_share), budget)
@@ -226,7 +245,7 @@ class _Balancer:
         return x
 
 
-def _first_true(lo: int, hi: int, pred) -> int:  # noqa: ANN001 - a monotone predicate on ints
+def _first_true(lo: int, hi: int, pred) -> int:
     """Smallest c in [lo, hi] with pred(c) true (pred monotone false→true); hi + 1 if none."""
     hi_excl = hi + 1
     while lo < hi_excl:
