@@ -16,6 +16,13 @@ PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproje
 MEMBERS = {name: ROOT / "packages" / name for name in PACKAGES}
 MEMBERS["qwen35-trainer"] = ROOT / "integration"
 
+# Suites that must also pass against another release of an optional dependency: after the main
+# run (on the locked release), the listed requirement is installed over it and the listed
+# tests run again.
+ALSO_AGAINST = {
+    "fsdp-compat": [("megatron-fsdp==0.5.1", "tests/test_megatron_adapter.py")],
+}
+
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["tests", "lint"]
 
@@ -49,6 +56,17 @@ def tests(session: nox.Session, package: str) -> None:
     _sync(session, package)
     session.chdir(MEMBERS[package])
     session.run("pytest", "tests", *session.posargs, env=_test_env())
+    for requirement, tests_path in ALSO_AGAINST.get(package, []):
+        session.run_install(
+            "uv",
+            "pip",
+            "install",
+            "--python",
+            session.virtualenv.location,
+            requirement,
+            external=True,
+        )
+        session.run("pytest", tests_path, *session.posargs, env=_test_env())
 
 
 @nox.session
