@@ -7,14 +7,18 @@ Cost model (see ``CPLayout``): a token at offset ``i`` of its document costs
 ``balanced`` keeps short documents whole and splits only what must be split:
 
 1. Budgets: every rank gets ``total_cost / cp`` of cost and ``S / cp`` of tokens.
-2. Whole documents, most expensive first, go to the rank with the most cost budget left when
-   both budgets can take them (longest-processing-time style).
-3. Each remaining document is cut over the fewest ranks whose cost budgets cover it, as
-   head/tail pairs: rank j takes ``[h, h + x)`` and ``[t - y, t)`` and the last rank the
-   middle. The cost of the pair is decreasing in ``x`` for a fixed ``x + y``, so for each rank
-   the token share ``x + y`` (its share of token budget) and the split ``x`` (its cost budget)
-   are solved exactly by bisection. Pairing a cheap head with an expensive tail is what keeps
-   token counts even while costs are equal.
+2. A document bigger than one rank's budget (in cost or tokens) is spread over just enough
+   ranks (those with the most room) that it fills at most ``SPLIT_FILL`` of their budgets.
+3. The other documents, most expensive first, go whole to the rank whose remaining
+   (cost, tokens) budget best matches their demand, among the ranks that can take them.
+4. A document that fits nowhere whole is cut over the fewest ranks that cover it.
+
+Every cut is a set of head/tail pairs: rank j takes ``[h, h + x)`` and ``[t - y, t)`` and the
+last rank the middle. For a fixed count ``x + y`` the pair's cost decreases in ``x``, so the
+count (the rank's share of the token budget, moved only as far as the cost budget requires)
+and the split ``x`` (its share of the cost budget) are found by bisection. Pairing a cheap head
+with an expensive tail is what keeps token counts even while costs are equal. Exactness never
+depends on any of this: a layout is only a permutation of tokens into pieces.
 
 Ranks receive K/V only for the split documents, and only their earlier parts.
 """
@@ -129,6 +133,8 @@ def _zigzag(lengths: list[int], cp: int) -> list[list[Piece]]:
 
 
 class _Balancer:
+    """The ``balanced`` planner (module docstring): per-rank budgets and the pieces given so far."""
+
     def __init__(self, lengths: list[int], cp: int, a: float, b: float) -> None:
         self.lengths, self.cp, self.a, self.b = lengths, cp, a, b
         self.cost_per_rank = sum(self.prefix(n) for n in lengths) / cp
