@@ -1,0 +1,106 @@
+"""``linear_cross_entropy``: cross-entropy of ``hidden @ weight.T + bias`` without [N, V] logits.
+
+The math and the memory argument live in ``_function``; this module checks the arguments,
+flattens [B, S, ...] to [N, ...], picks the vocab-parallel path when ``weight`` is a DTensor and
+applies the reduction. On the vocab-parallel path the input checks are agreed over the TP group
+before anyone raises, so no rank is left waiting in the loss's collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from chunked_loss._checks import (
+    check_label_range,
+    check_options,
+    check_shapes,
+    check_weight,
+    default_chunk_size,
+)
+from chunked_loss._function import LinearCrossEntropyFunction, Spec
+from chunked_loss._reduce import reduce_loss
+from chunked_loss._vocab_parallel import VocabShard, agree, vocab_shard
+
+__all__ = ["linear_cross_entropy"]
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    label_smoothing: float = 0.0,
+    num_valid_tokens: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T + bias, labels)``, computed ``chunk_size`` tokens at a time.
+
+    Args:
+        hidden: [N, H] or [B, S, H] activations (any float dtype; weight must match).
+        weight: [V, H] output projection. A DTensor sharded ``Shard(0)`` over one mesh dim (TP)
+            makes each rank work on its vocabulary slice (any V, also not divisible by TP);
+            ``hidden`` and ``labels`` must then be the same on every rank of that dim.
+        labels: [N] or [B, S] integer targets in ``[0, V)`` or equal to ``ignore_index``.
+        bias: optional [V] (a DTensor laid out like ``weight`` when ``weight`` is one).
+        reduction: ``"mean"`` over valid tokens (or over ``num_valid_tokens``), ``"sum"``, or
+            ``"none"`` (per-token losses shaped like ``labels``, 0 where ignored).
+        chunk_size: tokens per chunk; default keeps one fp32 [chunk, V] block near 256 MiB.
+        label_smoothing: ε in [0, 1], as in ``F.cross_entropy``.
+        num_valid_tokens: the global number of non-ignored labels (all DP/CP ranks and
+            micro-batches, see ``global_num_valid_tokens``); ``"mean"`` divides by it.
+
+    Returns:
+        fp32 loss: a scalar, or [N] / [B, S] for ``reduction="none"``. With every label ignored
+        the loss is 0 and all gradients are zero. Softmax statistics are fp32; for bf16 inputs the
+        logits of each chunk come from a bf16 matmul (as with ``F.linear``) and are then upcast.
+        Double backward is not supported and raises a ``RuntimeError``.
+    """
+    check_options(reduction, chunk_size, label_smoothing, num_valid_tokens)
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(hidden, DTensor) or isinstance(labels, DTensor):
+        raise TypeError(
+            "hidden and labels must be plain tensors (the same on every TP rank); only weight "
+            "and bias may be DTensors"
+        )
+    if isinstance(weight, DTensor):
+        shard = vocab_shard(weight, bias)
+    else:
+        if isinstance(bias, DTensor):
+            raise TypeError("bias is a DTensor but weight is not; shard both or neither")
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        shard = VocabShard(weight, bias, 0, weight.shape[0], None)
+    error = (
+        check_shapes(hidden, labels)
+        or check_weight(hidden, weight.shape, None if bias is None else bias.shape)
+        or _check_dtypes(hidden, shard)
+        or check_label_range(labels, shard.vocab, ignore_index)
+    )
+    agree(error, shard.group)
+    spec = Spec(
+        ignore_index=ignore_index,
+        label_smoothing=float(label_smoothing),
+        chunk_size=chunk_size or default_chunk_size(shard.weight.shape[0]),
+        vocab_start=shard.start,
+        vocab_total=shard.vocab,
+        group=shard.group,
+    )
+    loss_N = LinearCrossEntropyFunction.apply(
+        hidden.reshape(-1, hidden.shape[-1]), shard.weight, shard.bias, labels.reshape(-1), spec
+    )
+    return reduce_loss(loss_N, labels, reduction, ignore_index, num_valid_tokens)
+
+
+def _check_dtypes(hidden: torch.Tensor, shard: VocabShard) -> str | None:
+    if not hidden.is_floating_point():
+        return f"hidden must be a floating-point tensor, got {hidden.dtype}"
+    for name, t in (("weight", shard.weight), ("bias", shard.bias)):
+        if t is not None and t.dtype != hidden.dtype:
+            return f"{name} dtype {t.dtype} differs from hidden dtype {hidden.dtype}"
+    return None
