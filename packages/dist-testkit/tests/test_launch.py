@@ -80,7 +80,8 @@ def test_hanging_rank_is_killed_and_named(world):
     with pytest.raises(RankError) as info:
         run_ranks(hang_on_rank_zero, world, timeout=8)
     elapsed = time.monotonic() - start
-    assert elapsed < 8 + 15, f"launch took {elapsed:.1f}s with an 8s timeout"
+    assert elapsed < 8 + 90, f"launch took {elapsed:.1f}s with an 8s timeout (start-up included)"
+    assert "after start-up" in str(info.value)
     assert "rank 0 hung" in str(info.value)
 
 

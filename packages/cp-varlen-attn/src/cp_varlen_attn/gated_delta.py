@@ -17,6 +17,8 @@ floating-point rounding, forward and backward.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -86,16 +88,18 @@ def gated_delta_rule(
     state0 = None if initial_state is None else initial_state.to(cdt)
     if layout is None:
         cu = [0, q.shape[1]] if cu_seqlens is None else [int(x) for x in cu_seqlens]
-        bounds = tuple(zip(cu[:-1], cu[1:], strict=True))
+        bounds = tuple(itertools.pairwise(cu))
         if state0 is None:
             state0 = v_THV.new_zeros(len(bounds), heads_v, dk, v.shape[3])
         out_THV, final = runner(q_THK, k_THK, v_THV, g_TH, beta_TH, bounds, state0)
     else:
-        out_THV, final = cp_gated_delta(q_THK, k_THK, v_THV, g_TH, beta_TH, layout, group, rank, state0, runner)
+        out_THV, final = cp_gated_delta(
+            q_THK, k_THK, v_THV, g_TH, beta_TH, layout, group, rank, state0, runner
+        )
     return out_THV.to(q.dtype).unsqueeze(0), (final if output_final_state else None)
 
 
-def _prepare_qk(q_THK, k_THK, heads_v, use_l2norm, scale, cdt):  # noqa: ANN001, ANN202
+def _prepare_qk(q_THK, k_THK, heads_v, use_l2norm, scale, cdt):
     q_THK, k_THK = q_THK.to(cdt), k_THK.to(cdt)
     if use_l2norm:
         q_THK = q_THK * torch.rsqrt((q_THK * q_THK).sum(-1, keepdim=True) + L2NORM_EPS)
@@ -119,7 +123,7 @@ def _use_fla(backend: str, q: torch.Tensor) -> bool:
     return backend == "fla" or (backend == "auto" and q.is_cuda and _fla_available())
 
 
-def _fla_segments(q_THK, k_THK, v_THW, g_TH, beta_TH, bounds, state0_NHKW):  # noqa: ANN001, ANN202
+def _fla_segments(q_THK, k_THK, v_THW, g_TH, beta_TH, bounds, state0_NHKW):
     """Same contract as :func:`run_segments`, through fla's chunked kernel (q, k prepared here)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -128,7 +132,10 @@ def _fla_segments(q_THK, k_THK, v_THW, g_TH, beta_TH, bounds, state0_NHKW):  # n
     lengths = [e - s for s, e in bounds]
     rows = torch.cat([torch.arange(s, e) for s, e in bounds]).to(q_THK.device)
     cu = torch.tensor([0, *lengths], device=q_THK.device).cumsum(0)
-    pick = [x.index_select(0, rows).unsqueeze(0).contiguous() for x in (q_THK, k_THK, v_THW, g_TH, beta_TH)]
+    pick = [
+        x.index_select(0, rows).unsqueeze(0).contiguous()
+        for x in (q_THK, k_THK, v_THW, g_TH, beta_TH)
+    ]
     out, final = chunk_gated_delta_rule(
         *pick,
         scale=1.0,
@@ -145,7 +152,9 @@ def _layout_digest(layout: CPLayout) -> int:
     return hash((layout.cu_seqlens, layout.pieces)) & ((1 << 62) - 1)
 
 
-def _local_error(q, k, v, g, beta, cu_seqlens, initial_state, layout, group, rank, backend) -> str | None:  # noqa: ANN001, C901, PLR0911, PLR0912
+def _local_error(
+    q, k, v, g, beta, cu_seqlens, initial_state, layout, group, rank, backend
+) -> str | None:
     if backend not in GDN_BACKENDS:
         return f"unknown backend {backend!r}; expected one of {GDN_BACKENDS}"
     if backend == "fla" and not (_fla_available() and q.is_cuda):
@@ -155,7 +164,11 @@ def _local_error(q, k, v, g, beta, cu_seqlens, initial_state, layout, group, ran
             return f"{name} must be a floating-point tensor, got {type(x).__name__} {getattr(x, 'dtype', '')}"
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or q.shape[0] != 1:
         return f"q, k must be [1, T, H_k, K] and v [1, T, H_v, V]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-    if v.shape[1] != q.shape[1] or tuple(g.shape) != tuple(v.shape[:3]) or tuple(beta.shape) != tuple(v.shape[:3]):
+    if (
+        v.shape[1] != q.shape[1]
+        or tuple(g.shape) != tuple(v.shape[:3])
+        or tuple(beta.shape) != tuple(v.shape[:3])
+    ):
         return f"v [1, T, H_v, V], g and beta [1, T, H_v] must match q [1, T, ...]; got q {tuple(q.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}"
     if v.shape[2] % q.shape[2] != 0:
         return f"value heads ({v.shape[2]}) must be a multiple of query/key heads ({q.shape[2]})"
@@ -164,7 +177,12 @@ def _local_error(q, k, v, g, beta, cu_seqlens, initial_state, layout, group, ran
             n_docs = 1
         else:
             cu = [int(x) for x in cu_seqlens]
-            if len(cu) < 2 or cu[0] != 0 or cu[-1] != q.shape[1] or any(b <= a for a, b in zip(cu, cu[1:], strict=False)):
+            if (
+                len(cu) < 2
+                or cu[0] != 0
+                or cu[-1] != q.shape[1]
+                or any(b <= a for a, b in itertools.pairwise(cu))
+            ):
                 return f"cu_seqlens must start at 0, increase strictly and end at T={q.shape[1]}; got {cu[:16]}"
             n_docs = len(cu) - 1
     else:
@@ -180,5 +198,7 @@ def _local_error(q, k, v, g, beta, cu_seqlens, initial_state, layout, group, ran
         n_docs = layout.num_docs
     want = (n_docs, v.shape[2], q.shape[3], v.shape[3])
     if initial_state is not None and tuple(initial_state.shape) != want:
-        return f"initial_state must be [N, H_v, K, V] = {list(want)}, got {list(initial_state.shape)}"
+        return (
+            f"initial_state must be [N, H_v, K, V] = {list(want)}, got {list(initial_state.shape)}"
+        )
     return None

@@ -29,6 +29,9 @@ import torch
 __all__ = ["CHUNK", "run_segments"]
 
 CHUNK = 64
+# Intra-chunk work runs on blocks of whole scan steps of at most this many (chunk, head) pairs
+# (or one step when a step alone is larger): big enough to batch, small enough to stay in cache.
+BLOCK_CHUNK_HEADS = 64
 
 
 @functools.lru_cache(maxsize=64)
@@ -74,41 +77,70 @@ def run_segments(
     heads. Returns the outputs of the segments' tokens in segment order [sum of lengths, H, W]
     and each segment's final state [N, H, K, W].
     """
-    n_tok, heads, dk = k_THK.shape
+    n_tok, heads = k_THK.shape[:2]
     width = v_THW.shape[-1]
     if not bounds:
         return v_THW.new_zeros(0, heads, width), state0_NHKW
     rows, active, offsets, slot, order, inverse = _schedule(bounds, n_tok, chunk)
-    rows = rows.to(q_THK.device)
+    dev = q_THK.device
+    valid = (rows < n_tok).to(dev)
+    rows = rows.clamp(max=n_tok - 1).to(dev)  # padding: any row, with g = beta = 0 (see docstring)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu(1)
+    state = state0_NHKW.index_select(0, order.to(state0_NHKW.device))
+    outs, finished = [], []
+    j0 = 0
+    while j0 < len(active):
+        j1 = j0 + 1
+        while j1 < len(active) and (offsets[j1 + 1] - offsets[j0]) * heads <= BLOCK_CHUNK_HEADS:
+            j1 += 1
+        blk = _intra_chunk(
+            q_THK,
+            k_THK,
+            v_THW,
+            g_TH,
+            beta_TH,
+            rows[offsets[j0] : offsets[j1]],
+            valid[offsets[j0] : offsets[j1]],
+            upper,
+        )
+        for j in range(j0, j1):
+            sl = slice(offsets[j] - offsets[j0], offsets[j] - offsets[j0] + active[j])
+            state = _scan_step(state, *(x[sl] for x in blk), outs)
+            m_next = active[j + 1] if j + 1 < len(active) else 0
+            finished.append(state[m_next:])
+            state = state[:m_next]
+        j0 = j1
+    final = torch.cat(finished[::-1]).index_select(0, inverse.to(dev))
+    out_flat = torch.cat(outs).movedim(1, 2).reshape(-1, heads, width)  # [n_chunks * C, H, W]
+    return out_flat.index_select(0, slot.to(dev)), final
 
-    def chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, *] -> [n_chunks, H, C, *]
-        padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-        return padded[rows].movedim(1, 2)
+
+def _intra_chunk(q_THK, k_THK, v_THW, g_TH, beta_TH, rows, valid, upper):
+    """Per chunk (rows [n, C] of the inputs): the WY quantities the scan needs."""
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, *] -> [n, H, C, *]
+        return x[rows].movedim(1, 2).contiguous()
 
     q, k, v = chunks(q_THK), chunks(k_THK), chunks(v_THW)
-    g, beta = chunks(g_TH), chunks(beta_TH)  # [n_chunks, H, C]
+    g = chunks(g_TH) * valid[:, None, :]  # [n, H, C]
+    beta = chunks(beta_TH) * valid[:, None, :]
     cum = g.cumsum(-1)
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay_CC = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
     k_beta = k * beta[..., None]
     system = ((k_beta @ k.transpose(-1, -2)) * decay_CC).tril(-1)
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
+    )
     attn = (q @ k.transpose(-1, -2)) * decay_CC
     q_dec = q * cum.exp()[..., None]
     k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
+    return u, w, attn, q_dec, k_dec, chunk_decay
 
-    state = state0_NHKW.index_select(0, order.to(state0_NHKW.device))
-    outs, finished = [], []
-    for j, m in enumerate(active):
-        sl = slice(offsets[j], offsets[j] + m)
-        v_new = u[sl] - w[sl] @ state
-        outs.append(q_dec[sl] @ state + attn[sl] @ v_new)
-        state = state * chunk_decay[sl] + k_dec[sl].transpose(-1, -2) @ v_new
-        m_next = active[j + 1] if j + 1 < len(active) else 0
-        finished.append(state[m_next:])
-        state = state[:m_next]
-    final = torch.cat(finished[::-1]).index_select(0, inverse.to(q.device))
-    out_flat = torch.cat(outs).movedim(1, 2).reshape(-1, heads, width)  # [n_chunks * C, H, W]
-    return out_flat.index_select(0, slot.to(q.device)), final
+
+def _scan_step(state, u, w, attn, q_dec, k_dec, chunk_decay, outs):
+    """One chunk of every active segment: append its outputs, return the state after it."""
+    v_new = u - w @ state
+    outs.append(q_dec @ state + attn @ v_new)
+    return state * chunk_decay + k_dec.transpose(-1, -2) @ v_new

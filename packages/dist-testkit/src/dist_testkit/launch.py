@@ -5,10 +5,13 @@ fork), so the function and its arguments must be picklable (a module-level funct
 file is). The parent owns a ``TCPStore`` on a free port chosen by the OS, so there is no
 port race between concurrent launches.
 
-Every launch has a hard deadline. Ranks report over one pipe each; the parent waits on all of
-them at once, so it notices immediately when a rank raises (its traceback comes back as text),
-when a rank dies without reporting (``os._exit``, a segfault: its exit code is reported), and
-when the deadline passes (every rank still running is killed and named). After the first
+Every launch has a hard deadline: ``timeout`` seconds of running time, counted from the moment
+the last rank has joined the process group (start-up — spawning, importing torch, the
+rendezvous — has its own limit, ``STARTUP_TIMEOUT_S``, so a loaded machine does not eat a test's
+running time). Ranks report over one pipe each; the parent waits on all of them at once, so it
+notices immediately when a rank raises (its traceback comes back as text), when a rank dies
+without reporting (``os._exit``, a segfault: its exit code is reported), and when a deadline
+passes (every rank still running is killed and named). After the first
 failure the others get a short grace period to finish or fail on their own before they are
 killed: a rank that waits in a collective for a dead peer would otherwise hang until the
 deadline.
@@ -30,6 +33,7 @@ from typing import Any
 __all__ = ["Outcome", "RankError", "launch", "report_progress", "run_ranks"]
 
 DEFAULT_TIMEOUT_S = 120.0
+STARTUP_TIMEOUT_S = 300.0
 FAILURE_GRACE_S = 10.0
 
 
@@ -88,6 +92,7 @@ def _rank_main(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        conn.send_bytes(pickle.dumps(("ready", None)))
         try:
             outcome = Outcome(True, fn(*args, **kwargs))
         finally:
@@ -170,7 +175,8 @@ def _collect(
 ) -> list[Outcome]:
     outcomes: list[Outcome | None] = [None] * len(procs)
     progress: list[list[Any]] = [[] for _ in procs]
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    not_ready = set(range(len(procs)))
     waiting = dict(enumerate(conns))
     while waiting:
         now = time.monotonic()
@@ -182,6 +188,11 @@ def _collect(
                 continue
             try:
                 kind, value = pickle.loads(conn.recv_bytes())
+                if kind == "ready":
+                    not_ready.discard(rank)
+                    if not not_ready:
+                        deadline = time.monotonic() + timeout
+                    continue
                 if kind == "progress":
                     progress[rank].append(value)
                     continue
@@ -196,9 +207,12 @@ def _collect(
         if any(o is not None and not o.ok for o in outcomes):
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
     for rank in waiting:
+        if not_ready:
+            why = f"ranks {sorted(not_ready)} had not joined the process group after {STARTUP_TIMEOUT_S:.0f} s"
+        else:
+            why = f"timeout {timeout:.0f} s after start-up, or a peer failed"
         outcomes[rank] = Outcome(
-            False,
-            error=f"rank {rank} hung: still running when the launch was killed (timeout {timeout:.0f} s or peer failure)",
+            False, error=f"rank {rank} hung: still running when the launch was killed ({why})"
         )
     done = [o for o in outcomes if o is not None]
     for outcome, sent in zip(done, progress, strict=True):

@@ -1,0 +1,93 @@
+"""One mixed-precision description, translated to FSDP2 and to megatron-fsdp.
+
+The two backends split the same idea differently:
+
+- FSDP2 keeps fp32 sharded parameters and casts them at all-gather time: ``param_dtype`` is the
+  compute dtype, ``reduce_dtype`` the gradient reduce-scatter dtype, ``output_dtype`` the dtype
+  the module's outputs are cast to, ``cast_forward_inputs`` whether floating inputs are cast to
+  ``param_dtype``.
+- megatron-fsdp computes in the dtype the MODEL already has and keeps separate "main" buffers:
+  ``main_params_dtype`` (optimizer weights), ``main_grads_dtype`` (accumulated gradients) and
+  ``grad_comm_dtype`` (the reduce dtype).
+
+The mapping is exact where both sides have the concept (``reduce_dtype`` ↔ ``grad_comm_dtype``)
+and refuses, with the reason, where one backend cannot express a field (megatron-fsdp has no
+output cast; its compute dtype is the model's dtype, so a different ``param_dtype`` is an error
+instead of being ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["MixedPrecision"]
+
+
+def _check_dtype(name: str, value: object) -> None:
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise TypeError(
+            f"MixedPrecision.{name} must be a floating torch.dtype or None, got {value!r}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Backend-neutral mixed precision. ``None`` means "the backend's default / no cast"."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+    main_params_dtype: torch.dtype | None = torch.float32
+    main_grads_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for field in (
+            "param_dtype",
+            "reduce_dtype",
+            "output_dtype",
+            "main_params_dtype",
+            "main_grads_dtype",
+        ):
+            _check_dtype(field, getattr(self, field))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                f"MixedPrecision.cast_forward_inputs must be a bool, got {self.cast_forward_inputs!r}"
+            )
+
+    def to_fsdp2(self) -> torch.distributed.fsdp.MixedPrecisionPolicy:
+        """FSDP2's ``MixedPrecisionPolicy`` (the main-buffer fields have no FSDP2 meaning:
+        FSDP2's sharded parameters stay in the model's dtype)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            output_dtype=self.output_dtype,
+            cast_forward_inputs=self.cast_forward_inputs,
+        )
+
+    def megatron_fields(self, model_dtypes: set[torch.dtype]) -> dict[str, torch.dtype | None]:
+        """Field values for megatron-fsdp's ``MixedPrecisionPolicy``.
+
+        ``model_dtypes``: the floating dtypes of the model's parameters (megatron computes in
+        them). Raises ``ValueError`` for a setting megatron-fsdp cannot express.
+        """
+        if self.output_dtype is not None:
+            raise ValueError(
+                f"megatron-fsdp has no output cast; got output_dtype={self.output_dtype} "
+                "(cast the loss inputs yourself or use backend='fsdp2')"
+            )
+        if self.param_dtype is not None and model_dtypes != {self.param_dtype}:
+            raise ValueError(
+                f"megatron-fsdp computes in the model's own dtype; param_dtype={self.param_dtype} "
+                f"but the model's parameters are {sorted(map(str, model_dtypes))}: cast the model "
+                "to param_dtype before sharding"
+            )
+        return {
+            "main_params_dtype": self.main_params_dtype,
+            "main_grads_dtype": self.main_grads_dtype,
+            "grad_comm_dtype": self.reduce_dtype,
+        }

@@ -1,0 +1,181 @@
+"""``shard_model``: one entry point over FSDP2 and megatron-fsdp.
+
+Argument handling common to both backends lives here: the shard dims are flattened ONCE into a
+mesh object that the backend then uses (see :mod:`fsdp_compat.mesh` for why a name lookup is
+not enough), unit modules are resolved (:mod:`fsdp_compat.units`), and backend-neutral options
+are taken out of ``backend_options`` before the rest goes to the backend:
+
+- ``ep_dim`` (default ``"ep"``): parameters that are DTensors on a mesh with this dim are
+  EP-sharded; under FSDP2 their modules are sharded on the shard dims without it.
+- ``replicate_dims`` (default ``()``): HSDP; parameters are replicated over these dims and
+  sharded over ``shard_dims``.
+- ``tp_dim`` / ``report_nan``: megatron-fsdp only (FSDP2 reads TP from the DTensors and has no
+  NaN report); given to FSDP2 they are an error rather than silently ignored.
+
+Every check here depends only on arguments and module structure, which are the same on every
+rank, so all ranks raise together and none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fsdp_compat.mesh import flatten_mesh
+from fsdp_compat.precision import MixedPrecision
+from fsdp_compat.units import ep_modules, resolve_unit_modules
+
+__all__ = ["BACKENDS", "shard_model"]
+
+BACKENDS = ("fsdp2", "megatron-fsdp")
+
+
+def _dims(name: str, value: object, allow_empty: bool) -> tuple[str, ...]:
+    dims = (value,) if isinstance(value, str) else value
+    if not isinstance(dims, (tuple, list)) or not all(isinstance(d, str) for d in dims):
+        raise TypeError(f"{name} must be a mesh dim name or a tuple of names, got {value!r}")
+    if not dims and not allow_empty:
+        raise ValueError(f"{name} must name at least one mesh dim, got {value!r}")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"{name} names a dim twice: {tuple(dims)}")
+    return tuple(dims)
+
+
+def _hsdp_mesh(
+    mesh: DeviceMesh, replicate: tuple[str, ...], shard: tuple[str, ...]
+) -> DeviceMesh | None:
+    """A 2-D (replicate, shard) mesh for HSDP, or the 1-D shard mesh; ``None`` if no shard dim."""
+    if not shard:
+        return None
+    shard_mesh = flatten_mesh(mesh, shard)
+    if not replicate:
+        return shard_mesh
+    return DeviceMesh._concatenate([flatten_mesh(mesh, replicate), shard_mesh])
+
+
+def _tp_dim_from_params(model: nn.Module, ep_dim: str) -> str | None:
+    names = {
+        name
+        for p in model.parameters()
+        if isinstance(p, DTensor) and ep_dim not in (p.device_mesh.mesh_dim_names or ())
+        for name in p.device_mesh.mesh_dim_names or ()
+    }
+    if len(names) > 1:
+        raise ValueError(f"TP parameters live on several mesh dims {sorted(names)}; pass tp_dim=")
+    return next(iter(names), None)
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    backend: str = "fsdp2",
+    shard_dims: Sequence[str] = ("dp",),
+    unit_modules: Sequence[type | str] | None = None,
+    reshard_after_forward: bool | int | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    **backend_options: Any,
+) -> nn.Module:
+    """Shard ``model`` over the ``shard_dims`` of ``mesh`` with FSDP2 or megatron-fsdp.
+
+    ``shard_dims``: dims of ``mesh`` (its root) whose product is the shard group; several are
+    flattened once (e.g. ("dp", "cp") → "dp_cp"). ``unit_modules``: classes / class names of the
+    blocks sharded as units (default: ``model._no_split_modules``). ``reshard_after_forward``
+    and other optional arguments reach the backend only when set. ``optimizer``: built on the
+    unsharded parameters, no state yet; it is re-pointed at the sharded ones.
+    Returns the sharded model (FSDP2: ``model`` itself; megatron-fsdp: its wrapper).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be fsdp_compat.MixedPrecision, got {type(mixed_precision).__name__}"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise TypeError(
+            f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    options = dict(backend_options)
+    shard = _dims("shard_dims", shard_dims, allow_empty=False)
+    replicate = _dims("replicate_dims", options.pop("replicate_dims", ()), allow_empty=True)
+    if set(shard) & set(replicate):
+        raise ValueError(f"shard_dims {shard} and replicate_dims {replicate} overlap")
+    ep_dim = options.pop("ep_dim", "ep")
+    if not isinstance(ep_dim, str):
+        raise TypeError(f"ep_dim must be a mesh dim name, got {ep_dim!r}")
+    units, unit_classes = resolve_unit_modules(model, unit_modules)
+    if backend == "fsdp2":
+        return _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard_after_forward,
+                      mixed_precision, optimizer, options)  # fmt: skip
+    return _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard_after_forward,
+                     mixed_precision, optimizer, options)  # fmt: skip
+
+
+def _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard, mp, optimizer, options):
+    from fsdp_compat.fsdp2 import shard_fsdp2
+
+    megatron_only = sorted({"tp_dim", "report_nan"} & set(options))
+    if megatron_only:
+        raise ValueError(
+            f"backend_options {megatron_only} are megatron-fsdp options; FSDP2 reads TP from the "
+            "DTensor parameters and has no NaN report"
+        )
+    ep_units = ep_modules(model, ep_dim)
+    shard_mesh = _hsdp_mesh(mesh, replicate, shard)
+    ep_mesh = None
+    if ep_units:
+        ep_mesh = _hsdp_mesh(
+            mesh, tuple(d for d in replicate if d != ep_dim), tuple(d for d in shard if d != ep_dim)
+        )
+    return shard_fsdp2(
+        model,
+        units=units,
+        ep_units=ep_units,
+        shard_mesh=shard_mesh,
+        ep_mesh=ep_mesh,
+        reshard_after_forward=reshard,
+        mixed_precision=mp,
+        optimizer=optimizer,
+        options=options,
+    )
+
+
+def _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard, mp, optimizer, options):
+    from fsdp_compat.megatron import build_megatron_call, check_megatron_tp_params
+
+    check_megatron_tp_params(model)  # before any process group is created
+    tp_dim = options.pop("tp_dim", None) or _tp_dim_from_params(model, ep_dim)
+    report_nan = options.pop("report_nan", None)
+    shard_mesh = flatten_mesh(mesh, shard)
+    replicate_mesh = flatten_mesh(mesh, replicate) if replicate else None
+    hybrid_mesh = flatten_mesh(mesh, replicate + shard) if replicate else None
+    fn, kwargs = build_megatron_call(
+        model,
+        mesh,
+        shard_mesh=shard_mesh,
+        replicate_mesh=replicate_mesh,
+        hybrid_mesh=hybrid_mesh,
+        tp_dim=tp_dim,
+        unit_classes=unit_classes,
+        reshard_after_forward=reshard,
+        mixed_precision=mp,
+        report_nan=report_nan,
+        optimizer=optimizer,
+        options=options,
+    )
+    result = fn(**kwargs)
+    return result[0] if optimizer is not None else result
