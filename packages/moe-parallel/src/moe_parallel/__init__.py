@@ -1,5 +1,26 @@
 """MoE layer with dropless expert parallelism, TP-safe plans, EP+TP gradient correctness and activation checkpointing."""
 
+from moe_parallel.checkpointing import apply_activation_checkpointing, sdpa_preserving_context
+from moe_parallel.dispatch import all_to_all_expert_compute
+from moe_parallel.expert_parallel import apply_expert_parallel
+from moe_parallel.grad_scale import scale_expert_grads
+from moe_parallel.grouped import expert_swiglu
+from moe_parallel.moe import MoE, MoEStats, load_balancing_loss
+from moe_parallel.tensor_parallel import apply_tensor_parallel, validate_tp_plan
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "MoE",
+    "MoEStats",
+    "__version__",
+    "all_to_all_expert_compute",
+    "apply_activation_checkpointing",
+    "apply_expert_parallel",
+    "apply_tensor_parallel",
+    "expert_swiglu",
+    "load_balancing_loss",
+    "scale_expert_grads",
+    "sdpa_preserving_context",
+    "validate_tp_plan",
+]

@@ -1,0 +1,73 @@
+"""Expert parallelism: shard every MoE's routed experts over an EP mesh.
+
+Each :class:`~moe_parallel.moe.Experts` module's ``gate_up_proj`` / ``down_proj`` become
+DTensors placed ``Shard(0)`` on the 1-D EP mesh (rank r holds experts r*L .. r*L+L-1) and the
+module's ``ep_group`` is set, so its forward exchanges rows with
+:func:`~moe_parallel.dispatch.all_to_all_expert_compute`. The router, the routing weights and
+the shared expert stay on each token's home rank (see :mod:`moe_parallel.moe`), so their
+gradients are local, like any data-parallel replica's.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from moe_parallel.moe import Experts
+
+__all__ = ["apply_expert_parallel"]
+
+
+def apply_expert_parallel(
+    model: nn.Module, ep_mesh: DeviceMesh, *, tp_mesh: DeviceMesh | None = None
+) -> nn.Module:
+    """Shard the routed experts of every MoE in ``model`` over the 1-D ``ep_mesh``; in place.
+
+    ``tp_mesh``: the 1-D TP mesh when the EP group spans tensor-parallel ranks that hold
+    identical tokens. Each TP rank then dispatches only its 1/tp block of tokens and the expert
+    outputs are gathered over TP (:mod:`moe_parallel.token_split`), so every token reaches its
+    experts once and expert gradients are exact without :func:`scale_expert_grads`. Every rank
+    of ``tp_mesh`` must belong to ``ep_mesh``.
+
+    Rank 0's full expert weights are scattered (``distribute_tensor``); rank r keeps experts
+    r*L .. r*L+L-1. Returns ``model``.
+
+    Raises:
+        TypeError: ``ep_mesh`` (or ``tp_mesh``) is not a 1-D ``DeviceMesh``.
+        ValueError: the model has no MoE experts, or the EP size does not divide an MoE's
+            number of experts, or the experts were already sharded, or ``tp_mesh`` has ranks
+            outside ``ep_mesh``.
+    """
+    if not isinstance(ep_mesh, DeviceMesh) or ep_mesh.ndim != 1:
+        raise TypeError(f"ep_mesh must be a 1-D DeviceMesh, got {ep_mesh!r}")
+    if tp_mesh is not None:
+        if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
+            raise TypeError(f"tp_mesh must be a 1-D DeviceMesh or None, got {tp_mesh!r}")
+        outside = set(tp_mesh.mesh.flatten().tolist()) - set(ep_mesh.mesh.flatten().tolist())
+        if outside:
+            raise ValueError(
+                f"tp_mesh ranks {sorted(outside)} are not in ep_mesh {ep_mesh.mesh.flatten().tolist()}: "
+                "splitting tokens over TP is exact only when the EP group spans the TP ranks"
+            )
+    experts = [(n, m) for n, m in model.named_modules() if isinstance(m, Experts)]
+    if not experts:
+        raise ValueError(f"{type(model).__name__} has no moe_parallel Experts module to shard")
+    ep_size = ep_mesh.size()
+    for name, module in experts:
+        if module.ep_group is not None:
+            raise ValueError(f"{name or 'model'}: experts are already expert-parallel")
+        if module.num_experts % ep_size:
+            raise ValueError(
+                f"{name or 'model'}: EP size {ep_size} must divide num_experts "
+                f"{module.num_experts} (each rank owns the same number of experts)"
+            )
+    for _, module in experts:
+        for pname in ("gate_up_proj", "down_proj"):
+            param = getattr(module, pname)
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            setattr(module, pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.ep_group = ep_mesh.get_group()
+        if tp_mesh is not None and tp_mesh.size() > 1:
+            module.tp_group = tp_mesh.get_group()
+    return model

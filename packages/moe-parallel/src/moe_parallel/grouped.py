@@ -1,0 +1,91 @@
+"""Dropless SwiGLU expert compute over rows already grouped by expert.
+
+Rows arrive sorted by expert (``counts_E[e]`` consecutive rows for expert ``e``), so one grouped
+GEMM per projection covers every expert: ``torch._grouped_mm`` multiplies row block ``e`` by
+weight ``e``. Nothing is padded or dropped; the result equals a loop ``x_e @ W_e^T`` per expert.
+
+``torch._grouped_mm`` is used only where a one-off probe showed it runs forward AND backward for
+the device and dtype (fp32 on CPU in torch 2.15; it rejects float64 and widths whose byte stride is
+not a multiple of 16, and its backward fails on zero rows). Elsewhere an exact per-expert loop is
+used and the switch is logged once. Both paths keep every expert weight in the autograd graph, so
+an expert that received no rows gets a zero gradient, never ``None``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["expert_swiglu", "grouped_mm_works"]
+
+_log = logging.getLogger(__name__)
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _probe(device_type: str, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(3, 8, device=device_type, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([1, 3], device=device_type, dtype=torch.int32)
+        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        gx, gw = torch.autograd.grad(y.sum(), (x, w))
+        return bool(torch.all(gw[0][0] == 1)) and bool(torch.all(gx == 16))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def grouped_mm_works(x: torch.Tensor, hidden: int, intermediate: int) -> bool:
+    """Whether the grouped-GEMM path runs forward and backward for ``x``'s device and dtype."""
+    if x.dtype not in _GROUPED_DTYPES or x.shape[0] == 0:
+        return False
+    size = x.element_size()
+    if (hidden * size) % 16 or (intermediate * size) % 16:
+        return False
+    return _probe(x.device.type, x.dtype)
+
+
+_warned: set[tuple[str, torch.dtype]] = set()
+
+
+def _loop(x_MH: torch.Tensor, counts: list[int], w_EOH: torch.Tensor) -> torch.Tensor:
+    pieces = [F.linear(x_e, w_EOH[e]) for e, x_e in enumerate(torch.split(x_MH, counts))]
+    return torch.cat(pieces)
+
+
+def expert_swiglu(
+    x_MH: torch.Tensor, counts_E: torch.Tensor, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor
+) -> torch.Tensor:
+    """``down_e(silu(gate_e(x)) * up_e(x))`` for every row, with row blocks grouped by expert.
+
+    Args:
+        x_MH: [M, H] rows sorted by expert.
+        counts_E: [E] int, rows per expert (sums to M).
+        gate_up_E2IH: [E, 2I, H], gate rows first then up rows (transformers' layout).
+        down_EHI: [E, H, I].
+
+    Returns:
+        [M, H], row ``m`` computed by the expert that owns it.
+    """
+    num_experts, two_i, hidden = gate_up_E2IH.shape
+    if counts_E.shape != (num_experts,):
+        raise ValueError(f"counts_E must be [{num_experts}], got {tuple(counts_E.shape)}")
+    if x_MH.dim() != 2 or x_MH.shape[1] != hidden:
+        raise ValueError(f"x_MH must be [M, {hidden}], got {tuple(x_MH.shape)}")
+    if grouped_mm_works(x_MH, hidden, two_i // 2):
+        offs = torch.cumsum(counts_E, 0).to(torch.int32)
+        gate_up_M2I = torch._grouped_mm(x_MH, gate_up_E2IH.transpose(1, 2), offs=offs)
+        gate, up = gate_up_M2I.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, down_EHI.transpose(1, 2), offs=offs)
+    key = (x_MH.device.type, x_MH.dtype)
+    if x_MH.shape[0] > 0 and key not in _warned:
+        _warned.add(key)
+        _log.info("torch._grouped_mm unavailable for %s %s: exact per-expert loop", *key)
+    counts = counts_E.tolist()
+    gate, up = _loop(x_MH, counts, gate_up_E2IH).chunk(2, dim=-1)
+    return _loop(F.silu(gate) * up, counts, down_EHI)

@@ -1,0 +1,229 @@
+"""The Qwen3.5 sparse MoE block: top-k router, stacked SwiGLU experts, gated shared expert.
+
+Parameter names and shapes equal transformers' ``Qwen3_5MoeSparseMoeBlock`` (``gate.weight``
+[E, H], ``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I],
+``shared_expert.{gate,up,down}_proj.weight``, ``shared_expert_gate.weight`` [1, H]), and the
+math is the same: softmax over all experts in fp32, top-k, renormalise to sum 1, per-assignment
+SwiGLU, weighted sum, plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``.
+
+Why it also stays correct under expert parallelism: the experts return the UNWEIGHTED output of
+every (token, slot) assignment; the routing weights are applied here, on the token's home rank,
+after the experts' rows came back. So the router's gradient is computed locally from
+differentiable probabilities and never has to cross a collective, and the experts' gradients
+are the same whether a row was computed locally or on another rank.
+
+The load-balancing loss equals transformers' ``load_balancing_loss_func`` applied to this
+block's router logits alone (``E * sum_e f_e * P_e`` with ``f_e`` the fraction of top-k
+assignments and ``P_e`` the mean probability of expert ``e``); under EP it covers the tokens of
+the calling rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe_parallel.grouped import expert_swiglu
+
+__all__ = ["MoE", "MoEStats", "load_balancing_loss"]
+
+
+@dataclasses.dataclass
+class MoEStats:
+    """What one forward of :class:`MoE` routed (kept on ``MoE.stats``).
+
+    Attributes:
+        router_logits: [N, E] router logits of the N = B*S tokens (differentiable).
+        aux_loss: scalar load-balancing loss of this block (differentiable, not yet scaled by
+            ``router_aux_loss_coef``).
+        tokens_per_expert: [E] int64, top-k assignments per expert made by this rank's tokens.
+    """
+
+    router_logits: torch.Tensor
+    aux_loss: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
+
+def load_balancing_loss(router_logits_NE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``E * sum_e (assignments_e / N) * mean_prob_e`` for router logits [N, E] (scalar)."""
+    num_experts = router_logits_NE.shape[-1]
+    probs_NE = torch.softmax(router_logits_NE.float(), dim=-1)
+    top_i = torch.topk(probs_NE, top_k, dim=-1).indices
+    rows = max(router_logits_NE.shape[0], 1)
+    frac_E = torch.bincount(top_i.reshape(-1), minlength=num_experts).float() / rows
+    return num_experts * torch.sum(frac_E * probs_NE.sum(0) / rows)
+
+
+class TopKRouter(nn.Module):
+    """``gate``: logits [N, E] → (logits, renormalised top-k weights [N, K], indices [N, K])."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def forward(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits_NE = F.linear(x_NH, self.weight)
+        probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
+        top_w_NK, top_i_NK = torch.topk(probs_NE, self.top_k, dim=-1)
+        top_w_NK = top_w_NK / top_w_NK.sum(dim=-1, keepdim=True)
+        return logits_NE, top_w_NK.to(logits_NE.dtype), top_i_NK
+
+
+class Experts(nn.Module):
+    """Stacked routed experts; ``forward`` returns the unweighted output of each assignment.
+
+    After :func:`moe_parallel.apply_expert_parallel` the weights are DTensors ``Shard(0)`` over
+    the EP mesh and ``ep_group`` is set; rows then travel to their expert's rank and back.
+    ``tp_group`` (set by ``apply_expert_parallel(..., tp_mesh=...)``) splits identical tokens
+    over TP ranks before the dispatch.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.ep_group: Any = None
+        self.tp_group: Any = None
+
+    def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if hasattr(gate_up, "to_local"):
+            return gate_up.to_local(), down.to_local()
+        return gate_up, down
+
+    def forward(self, x_NH: torch.Tensor, top_i_NK: torch.Tensor) -> torch.Tensor:
+        """x_NH [N, H], top_i_NK [N, K] expert ids → [N, K, H] per-assignment outputs.
+
+        With ``tp_group`` set, this TP rank runs only its row block and the blocks are gathered
+        (see :mod:`moe_parallel.token_split`).
+        """
+        if self.tp_group is None:
+            return self._forward_rows(x_NH, top_i_NK)
+        from moe_parallel.token_split import GatherRows, SliceRows, row_block
+
+        group = self.tp_group
+        lo, hi = row_block(x_NH.shape[0], dist.get_rank(group), dist.get_world_size(group))
+        y_block = self._forward_rows(SliceRows.apply(x_NH, group), top_i_NK[lo:hi])
+        return GatherRows.apply(y_block, x_NH.shape[0], group)
+
+    def _forward_rows(self, x_NH: torch.Tensor, top_i_NK: torch.Tensor) -> torch.Tensor:
+        from moe_parallel.dispatch import all_to_all_expert_compute
+
+        n, k = top_i_NK.shape
+        flat_i = top_i_NK.reshape(-1)
+        order = torch.argsort(flat_i, stable=True)
+        counts_E = torch.bincount(flat_i, minlength=self.num_experts)
+        x_sorted = x_NH[order // k]
+        gate_up, down = self._local_weights()
+
+        def compute(rows_MH: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+            return expert_swiglu(rows_MH, local_counts, gate_up, down)
+
+        if self.ep_group is None:
+            y_sorted = compute(x_sorted, counts_E)
+        else:
+            y_sorted = all_to_all_expert_compute(x_sorted, counts_E, compute, self.ep_group)
+        return y_sorted[torch.argsort(order)].view(n, k, y_sorted.shape[-1])
+
+
+class SwiGLU(nn.Module):
+    """The shared expert: ``down(silu(gate(x)) * up(x))`` with bias-free linears."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Dropless Qwen3.5 MoE block. ``forward(x [B, S, H]) -> [B, S, H]``; see :class:`MoEStats`.
+
+    After each forward, ``self.stats`` holds the step's router logits, aux loss and per-expert
+    token counts. ``shared_intermediate_size=0`` builds a block without a shared expert.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        shared_intermediate_size: int = 0,
+        *,
+        router_aux_loss_coef: float = 0.0,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("hidden_size", hidden_size),
+            ("num_experts", num_experts),
+            ("intermediate_size", intermediate_size),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.gate = TopKRouter(hidden_size, num_experts, top_k)
+        self.experts = Experts(hidden_size, num_experts, intermediate_size)
+        self.shared_expert: SwiGLU | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_intermediate_size:
+            self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.stats: MoEStats | None = None
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0.0, init_std)
+
+    @classmethod
+    def from_config(cls, config: Any) -> MoE:
+        """Build from a transformers ``Qwen3_5MoeTextConfig`` (or a config with ``text_config``)."""
+        config = getattr(config, "text_config", config)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(
+                f"MoE implements SwiGLU experts (hidden_act 'silu'), config has {act!r}"
+            )
+        return cls(
+            config.hidden_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            getattr(config, "shared_expert_intermediate_size", 0) or 0,
+            router_aux_loss_coef=getattr(config, "router_aux_loss_coef", 0.0),
+            init_std=getattr(config, "initializer_range", 0.02),
+        )
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        if x_BSH.dim() != 3 or x_BSH.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoE expects [B, S, {self.hidden_size}], got {tuple(x_BSH.shape)}")
+        x_NH = x_BSH.reshape(-1, self.hidden_size)
+        logits_NE, top_w_NK, top_i_NK = self.gate(x_NH)
+        y_NKH = self.experts(x_NH, top_i_NK)
+        out_NH = (y_NKH * top_w_NK.unsqueeze(-1)).sum(1)
+        if self.shared_expert is not None:
+            out_NH = out_NH + torch.sigmoid(self.shared_expert_gate(x_NH)) * self.shared_expert(
+                x_NH
+            )
+        self.stats = MoEStats(
+            router_logits=logits_NE,
+            aux_loss=load_balancing_loss(logits_NE, self.top_k),
+            tokens_per_expert=torch.bincount(top_i_NK.reshape(-1), minlength=self.num_experts),
+        )
+        return out_NH.view_as(x_BSH)

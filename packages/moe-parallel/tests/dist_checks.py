@@ -1,0 +1,282 @@
+"""Checks run on every rank of a gloo launch (see test_dist.py). Each compares with the
+single-process MoE run over the same global tokens, forward and backward, in fp32."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from helpers import IDLE_EXPERT, tiny_moe, tokens
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from toy_vlm import VLM
+
+from dist_testkit import assert_close, full, make_mesh
+from moe_parallel import (
+    apply_activation_checkpointing,
+    apply_expert_parallel,
+    apply_tensor_parallel,
+    scale_expert_grads,
+)
+
+REPLICATED = (
+    "gate.weight",
+    "shared_expert_gate.weight",
+    "shared_expert.gate_proj.weight",
+    "shared_expert.up_proj.weight",
+    "shared_expert.down_proj.weight",
+)
+EXPERT = ("experts.gate_up_proj", "experts.down_proj")
+SHARED_PLAN = {
+    "shared_expert.gate_proj": ColwiseParallel(),
+    "shared_expert.up_proj": ColwiseParallel(),
+    "shared_expert.down_proj": RowwiseParallel(),
+}
+
+
+def seq_len(rank: int) -> int:
+    """Tokens on ``rank``: 3, 0, 7, 9, ... (rank 1 has none: it still joins every exchange)."""
+    return 0 if rank == 1 else 3 + 2 * rank
+
+
+def _rank_inputs(world: int, seed: int):
+    """Uneven sequence lengths per rank (see ``seq_len``) and matching output weights."""
+    xs = [tokens(1, seq_len(r), seed + r) for r in range(world)]
+    gs = [
+        torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 50 + r))
+        for r, x in enumerate(xs)
+    ]
+    return xs, gs
+
+
+def _reference(xs, gs, moe=None):
+    ref = moe or tiny_moe()
+    x = torch.cat(xs, dim=1).requires_grad_()
+    y = ref(x)
+    (y * torch.cat(gs, dim=1)).sum().backward()
+    return ref, y.detach(), x.grad
+
+
+def _grad(module, name):
+    return module.get_parameter(name).grad
+
+
+def _ep_run(world, detach_router=False):
+    rank = dist.get_rank()
+    xs, gs = _rank_inputs(world, seed=10)
+    ref, y_ref, gx_ref = _reference(xs, gs)
+    moe = apply_expert_parallel(tiny_moe(), make_mesh((world,), ("ep",)))
+    if detach_router:
+        moe.gate.register_forward_hook(lambda m, i, out: (out[0], out[1].detach(), out[2]))
+    x = xs[rank].clone().requires_grad_()
+    y = moe(x)
+    (y * gs[rank]).sum().backward()
+    start = sum(t.shape[1] for t in xs[:rank])
+    rows = slice(start, start + xs[rank].shape[1])
+    return ref, moe, (y, y_ref[:, rows]), (x.grad, gx_ref[:, rows])
+
+
+def _summed(moe, name):
+    g = _grad(moe, name)
+    g = torch.zeros_like(moe.get_parameter(name)) if g is None else g.clone()
+    dist.all_reduce(g)
+    return g
+
+
+def check_ep_parity() -> list[int]:
+    """EP = world: outputs, input grads, expert grads (gathered) and router / shared-expert grads
+    (summed over ranks as data parallelism would) equal the reference; an idle expert's grad is
+    zero, not None."""
+    world = dist.get_world_size()
+    ref, moe, (y, y_ref), (gx, gx_ref) = _ep_run(world)
+    assert_close(y, y_ref, name="output")
+    assert_close(gx, gx_ref, name="x.grad")
+    for name in EXPERT:
+        assert _grad(moe, name) is not None, name
+        assert_close(full(_grad(moe, name)), _grad(ref, name), name=name)
+    for name in REPLICATED:
+        assert_close(_summed(moe, name), _grad(ref, name), name=name)
+    assert ref.stats.tokens_per_expert[IDLE_EXPERT] == 0
+    assert torch.count_nonzero(full(_grad(moe, "experts.down_proj"))[IDLE_EXPERT]) == 0
+    local_rows = moe.experts.gate_up_proj.to_local().shape[0]
+    assert local_rows == 8 // world
+    return moe.stats.tokens_per_expert.tolist()
+
+
+def check_ep_detached_router_is_caught() -> None:
+    """Negative control: router weights detached before the combine → router grad differs."""
+    world = dist.get_world_size()
+    ref, moe, (y, y_ref), _ = _ep_run(world, detach_router=True)
+    assert_close(y, y_ref, name="output")  # the forward cannot tell
+    try:
+        assert_close(_summed(moe, "gate.weight"), _grad(ref, "gate.weight"), name="gate.weight")
+    except AssertionError:
+        return
+    raise AssertionError("a detached router went unnoticed by the router-grad comparison")
+
+
+def check_ep_size_must_divide_experts() -> None:
+    world = dist.get_world_size()
+    mesh = make_mesh((world,), ("ep",))
+    moe = tiny_moe()
+    moe.experts.num_experts = 3 if world == 2 else 6
+    try:
+        apply_expert_parallel(moe, mesh)
+    except ValueError as e:
+        assert f"EP size {world} must divide num_experts" in str(e), e
+        return
+    raise AssertionError("EP size not dividing the experts was accepted")
+
+
+def _tp_mesh():
+    world = dist.get_world_size()
+    return make_mesh((world // 2, 2), ("dp", "tp"))
+
+
+def check_ep_tp_grads() -> None:
+    """EP over the TP ranks (EP2 x TP2 inside each DP replica): every TP rank feeds the same
+    tokens, the shared expert is TP-sharded. Without scale_expert_grads the expert grads are 2x
+    (negative control); with it, all grads equal the replica's single-process reference."""
+    mesh = _tp_mesh()
+    dp = mesh["dp"].get_local_rank()
+    xs, gs = _rank_inputs(mesh["dp"].size(), seed=30)
+    ref, y_ref, gx_ref = _reference([xs[dp]], [gs[dp]])
+    moe = tiny_moe()
+    apply_tensor_parallel(moe, mesh["tp"], SHARED_PLAN)
+    apply_expert_parallel(moe, mesh["tp"])
+    x = xs[dp].clone().requires_grad_()
+    y = moe(x)
+    (y * gs[dp]).sum().backward()
+    assert_close(y, y_ref, name="output")
+    assert_close(x.grad, gx_ref, name="x.grad")
+    for name in EXPERT:
+        assert_close(full(_grad(moe, name)), 2 * _grad(ref, name), name=f"{name} before scaling")
+    assert scale_expert_grads(moe, mesh["tp"]) == 2
+    for name in EXPERT + REPLICATED:
+        assert_close(full(_grad(moe, name)), _grad(ref, name), name=name)
+
+
+def check_ep_tp_token_split_exact() -> None:
+    """Same layout as check_ep_tp_grads, but each TP rank dispatches only its 1/tp token block
+    (apply_expert_parallel(..., tp_mesh=...)): all grads equal the reference with no scaling.
+    Replica 0 has 3 tokens (blocks of 2 and 1), replica 1 none."""
+    mesh = _tp_mesh()
+    dp = mesh["dp"].get_local_rank()
+    xs, gs = _rank_inputs(mesh["dp"].size(), seed=30)
+    ref, y_ref, gx_ref = _reference([xs[dp]], [gs[dp]])
+    moe = tiny_moe()
+    apply_tensor_parallel(moe, mesh["tp"], SHARED_PLAN)
+    apply_expert_parallel(moe, mesh["tp"], tp_mesh=mesh["tp"])
+    x = xs[dp].clone().requires_grad_()
+    y = moe(x)
+    (y * gs[dp]).sum().backward()
+    assert_close(y, y_ref, name="output")
+    assert_close(x.grad, gx_ref, name="x.grad")
+    for name in EXPERT + REPLICATED:
+        assert_close(full(_grad(moe, name)), _grad(ref, name), name=name)
+    if mesh.size() == 4:
+        try:
+            apply_expert_parallel(tiny_moe(), mesh["tp"], tp_mesh=mesh["dp"])
+        except ValueError as e:
+            assert "not in ep_mesh" in str(e), e
+        else:
+            raise AssertionError("a tp_mesh outside the EP group was accepted")
+
+
+def check_zero_token_optimizer_step() -> None:
+    """All tokens pick experts 0 and 1 (rank 0's), so every other rank's experts get no rows.
+    Their grads are zeros (not None); one AdamW step with weight decay then moves every expert —
+    also the idle ones — exactly like the single-process step, and every rank keeps the same
+    optimizer state layout and step count."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    base = tiny_moe()
+    with torch.no_grad():
+        base.gate.weight[:, 0] = -3.0
+        base.gate.weight[:2, 0] = 3.0
+    moe = apply_expert_parallel(copy.deepcopy(base), make_mesh((world,), ("ep",)))
+    xs, gs = _rank_inputs(world, seed=70)
+    ref, _, _ = _reference(xs, gs, moe=base)
+    assert ref.stats.tokens_per_expert[2:].sum() == 0
+    y = moe(xs[rank])
+    (y * gs[rank]).sum().backward()
+    for name in EXPERT:
+        local = _grad(moe, name).to_local()
+        assert local is not None
+        if rank > 0:
+            assert torch.count_nonzero(local) == 0
+    for p in moe.parameters():
+        if not hasattr(p, "to_local"):
+            dist.all_reduce(p.grad)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (moe, ref)]
+    for opt in opts:
+        opt.step()
+    for (name, p), p_ref in zip(moe.named_parameters(), ref.parameters(), strict=True):
+        assert_close(full(p.detach()), p_ref.detach(), name=f"{name} after step")
+    steps = torch.tensor([float(s["step"]) for s in opts[0].state.values()])
+    assert len(opts[0].state) == len(list(moe.parameters()))
+    gathered = [torch.zeros_like(steps) for _ in range(world)]
+    dist.all_gather(gathered, steps)
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def check_tp_shared_expert() -> None:
+    """TP over the shared expert only (identical tokens per TP rank): values and all grads."""
+    mesh = _tp_mesh()
+    xs, gs = _rank_inputs(1, seed=90)
+    ref, y_ref, gx_ref = _reference(xs, gs)
+    moe = apply_tensor_parallel(tiny_moe(), mesh["tp"], SHARED_PLAN)
+    x = xs[0].clone().requires_grad_()
+    y = moe(x)
+    (y * gs[0]).sum().backward()
+    assert_close(y, y_ref, name="output")
+    assert_close(x.grad, gx_ref, name="x.grad")
+    for name in EXPERT + REPLICATED:
+        assert_close(full(_grad(moe, name)), _grad(ref, name), name=name)
+    assert hasattr(moe.shared_expert.gate_proj.weight, "full_tensor")
+
+
+def _ac_grads(model, x):
+    torch.manual_seed(5)
+    x = x.clone().requires_grad_()
+    y = model(x)
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    grads = {
+        n.replace("._checkpoint_wrapped_module", ""): full(p.grad)
+        for n, p in model.named_parameters()
+    }
+    return y.detach(), x.grad, grads
+
+
+def check_ac_under_ep_wraps_vision() -> None:
+    """With EP > 1, language-only AC also wraps the trainable vision tower (not a frozen one),
+    and the checkpointed EP model's output and grads equal the non-checkpointed EP model's."""
+    world = dist.get_world_size()
+    mesh = make_mesh((world,), ("ep",))
+    torch.manual_seed(0)
+    plain = VLM()
+    ckpt = copy.deepcopy(plain)
+    frozen = copy.deepcopy(plain)
+    frozen.visual.requires_grad_(False)
+    for m in (plain, ckpt, frozen):
+        apply_expert_parallel(m, mesh)
+    assert apply_activation_checkpointing(ckpt, scope=("language",)) == [
+        "visual.blocks.0",
+        "visual.blocks.1",
+        "language_model.layers.0",
+        "language_model.layers.1",
+    ]
+    assert apply_activation_checkpointing(frozen, scope=("language",)) == [
+        "language_model.layers.0",
+        "language_model.layers.1",
+    ]
+    x = torch.randn(
+        1, 2 + dist.get_rank(), 16, generator=torch.Generator().manual_seed(dist.get_rank())
+    )
+    y0, gx0, g0 = _ac_grads(plain, x)
+    y1, gx1, g1 = _ac_grads(ckpt, x)
+    assert_close(y1, y0, name="output")
+    assert_close(gx1, gx0, name="x.grad")
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        assert_close(g1[name], g0[name], name=name)
