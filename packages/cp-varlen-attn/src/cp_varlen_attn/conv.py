@@ -23,18 +23,14 @@ import itertools
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed import _functional_collectives as fc
 
 from cp_varlen_attn._agree import agree_or_raise
+from cp_varlen_attn.exchange import all_gather_autograd
 from cp_varlen_attn.layout import CPLayout
 
 __all__ = ["causal_conv1d"]
 
 ACTIVATIONS = ("silu", None)
-# torch 2.15 renamed the autograd all-gather; the package supports torch >= 2.9.
-_all_gather_autograd = (
-    getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
-)
 
 
 def causal_conv1d(
@@ -75,7 +71,7 @@ def causal_conv1d(
     if width > 0:
         send = x_TC.index_select(0, exports.to(x.device))
         send = torch.cat([send, send.new_zeros(width - send.shape[0], send.shape[1])])
-        parts.append(_all_gather_autograd(send.contiguous(), gather_dim=0, group=group))
+        parts.append(all_gather_autograd(send.contiguous(), gather_dim=0, group=group))
     parts.append(x_TC.new_zeros(1, x_TC.shape[1]))
     buffer_RC = torch.cat(parts)
     windows_TKC = buffer_RC[index.to(x.device)]

@@ -26,7 +26,12 @@ from torch.distributed import _functional_collectives as fc
 
 from cp_varlen_attn.layout import CPLayout
 
-__all__ = ["ExchangePlan", "exchange_rows", "plan_exchange"]
+__all__ = ["ExchangePlan", "all_gather_autograd", "exchange_rows", "plan_exchange"]
+
+# torch 2.15 renamed the autograd all-gather; the package supports torch >= 2.9.
+all_gather_autograd = (
+    getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+)
 
 # Use the all-gather when the needed rows reach this fraction of what an all-gather moves.
 ALL_GATHER_FRACTION = 0.75
@@ -115,7 +120,7 @@ def exchange_rows(
     """[T_local, F] → the buffer [R, F] indexed by ``plan.row_of`` (differentiable)."""
     if plan.transport == "all_gather":
         padded = torch.nn.functional.pad(local_TF, (0, 0, 0, plan.gather_width - local_TF.shape[0]))
-        return fc.all_gather_tensor_autograd(padded.contiguous(), gather_dim=0, group=group)
+        return all_gather_autograd(padded.contiguous(), gather_dim=0, group=group)
     sent = local_TF.index_select(0, plan.send_index.to(local_TF.device)).contiguous()
     received = fc.all_to_all_single_autograd(sent, plan.recv_counts, plan.send_counts, group=group)
     return torch.cat([local_TF, received], 0)

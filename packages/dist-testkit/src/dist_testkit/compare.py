@@ -49,13 +49,13 @@ def assert_close(
     diff = (a - e).abs().nan_to_num(0.0)
     excess = diff - (atol + rtol * e.abs().nan_to_num(0.0))
     worst = int(excess.argmax())
-    if excess.view(-1)[worst] > 0:
+    if excess.reshape(-1)[worst] > 0:
         idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape))
         bad = int((excess > 0).sum())
         raise AssertionError(
             f"{name}: {bad} of {a.numel()} elements differ beyond atol={atol}, rtol={rtol}; "
-            f"worst at {idx}: actual {a.view(-1)[worst].item():.8g}, expected {e.view(-1)[worst].item():.8g}, "
-            f"abs err {diff.view(-1)[worst].item():.3g}, max abs err {diff.max().item():.3g}"
+            f"worst at {idx}: actual {a.reshape(-1)[worst].item():.8g}, expected {e.reshape(-1)[worst].item():.8g}, "
+            f"abs err {diff.reshape(-1)[worst].item():.3g}, max abs err {diff.max().item():.3g}"
         )
 
 
