@@ -1,11 +1,14 @@
-"""Naive ``F.cross_entropy`` on full logits vs ``chunked_loss.linear_cross_entropy``.
+"""Naive ``F.cross_entropy`` on full logits vs ``chunked_loss.linear_cross_entropy``, both in
+its default mode (``chunked-loss``: gradients formed in the forward) and with
+``grad_in_forward=False`` (``recompute``: backward recomputes each chunk's logits).
 
 Each (variant, N) runs in a fresh subprocess, so peak memory is that variant's alone:
 - CPU: peak RSS (``ru_maxrss``) minus the RSS once the inputs exist;
 - CUDA: ``torch.cuda.max_memory_allocated`` minus the bytes allocated once the inputs exist.
 Both include the gradients of hidden and weight (the same for every variant). Time is the mean
-wall time of one forward+backward after a first (memory-measuring) one. Peers (Liger-Kernel's
-fused linear cross-entropy, Cut Cross-Entropy) are run when importable (they need a GPU).
+wall time of the forward+backward passes after a first (memory-measuring) one, or of that
+first one with ``--repeats 0``. Peers (Liger-Kernel's fused linear cross-entropy, Cut
+Cross-Entropy) are run when importable (they need a GPU).
 
     python benchmarks/bench_loss.py                      # CPU, fp32, N = 2048 and 4096
     python benchmarks/bench_loss.py --tokens 2048 8192 --device cuda --dtype bf16
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -31,9 +35,17 @@ def naive(h, w, y):
 
 
 def chunked(h, w, y):
+    """The default: gradients computed during the forward (3 matmuls, like naive)."""
     from chunked_loss import linear_cross_entropy
 
     return linear_cross_entropy(h, w, y)
+
+
+def recompute(h, w, y):
+    """Forward keeps the log-sum-exp only; backward recomputes each chunk (4 matmuls)."""
+    from chunked_loss import linear_cross_entropy
+
+    return linear_cross_entropy(h, w, y, grad_in_forward=False)
 
 
 def liger(h, w, y):
@@ -48,7 +60,13 @@ def cce(h, w, y):
     return linear_cross_entropy(h, w, y)
 
 
-VARIANTS = {"naive": naive, "chunked-loss": chunked, "liger": liger, "cce": cce}
+VARIANTS = {
+    "naive": naive,
+    "chunked-loss": chunked,
+    "recompute": recompute,
+    "liger": liger,
+    "cce": cce,
+}
 PEER_MODULES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
 
 
@@ -87,7 +105,12 @@ def worker(variant: str, n: int, h_dim: int, vocab: int, device: str, dtype: str
             else:
                 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     timed = times[1:] or times
-    print(json.dumps({"peak": peak, "time": sum(timed) / len(timed), "loss": float(loss)}))
+    load = os.getloadavg()[0]
+    print(
+        json.dumps(
+            {"peak": peak, "time": sum(timed) / len(timed), "loss": float(loss), "load": load}
+        )
+    )
 
 
 def run_variant(args, variant: str, n: int) -> dict | None:
@@ -134,7 +157,7 @@ def main() -> None:
         for n in args.tokens:
             worker(args.worker, n, args.hidden, args.vocab, args.device, args.dtype, args.repeats)
         return
-    variants = ["naive", "chunked-loss"]
+    variants = ["naive", "chunked-loss", "recompute"]
     for peer, module in PEER_MODULES.items():
         try:
             __import__(module)
@@ -149,7 +172,7 @@ def main() -> None:
         f"device={args.device} dtype={args.dtype} H={args.hidden} V={args.vocab} "
         f"threads={args.threads} repeats={args.repeats}"
     )
-    header = f"| {'N':>5} | {'variant':<12} | {'peak extra GiB':>14} | {'fwd+bwd s':>9} | {'mem ratio':>9} | {'time ratio':>10} | {'loss':>8} |"
+    header = f"| {'N':>5} | {'variant':<12} | {'peak extra GiB':>14} | {'fwd+bwd s':>9} | {'mem ratio':>9} | {'time ratio':>10} | {'loss':>8} | {'load':>5} |"
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for n in args.tokens:
@@ -158,19 +181,20 @@ def main() -> None:
         for v, r in results.items():
             if r is None:
                 print(
-                    f"| {n:>5} | {v:<12} | {'failed':>14} | {'':>9} | {'':>9} | {'':>10} | {'':>8} |"
+                    f"| {n:>5} | {v:<12} | {'failed':>14} | {'':>9} | {'':>9} | {'':>10} | {'':>8} | {'':>5} |"
                 )
                 continue
             mem_ratio = f"{base['peak'] / r['peak']:.1f}x" if base else "-"
             time_ratio = f"{r['time'] / base['time']:.2f}x" if base else "-"
             print(
                 f"| {n:>5} | {v:<12} | {r['peak'] / GIB:>14.2f} | {r['time']:>9.2f} | "
-                f"{mem_ratio:>9} | {time_ratio:>10} | {r['loss']:>8.4f} |",
+                f"{mem_ratio:>9} | {time_ratio:>10} | {r['loss']:>8.4f} | {r['load']:>5.1f} |",
                 flush=True,
             )
     print(
         "mem ratio = naive peak / variant peak (higher is better); "
-        "time ratio = variant time / naive time (lower is better)"
+        "time ratio = variant time / naive time (lower is better); "
+        "load = 1-min load average when the variant finished"
     )
 
 

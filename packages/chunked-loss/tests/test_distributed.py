@@ -96,6 +96,9 @@ def check_vocab_parallel_errors_are_agreed():
         linear_cross_entropy(hidden, w_dt, labels)
     expected = "first 13" if dist.get_rank() == world - 1 else "another rank of the TP group"
     assert expected in str(info.value), str(info.value)
+    labels[0] = 0
+    with pytest.raises(ValueError, match="grad_in_forward=True is not available for a vocab-par"):
+        linear_cross_entropy(hidden, w_dt, labels, grad_in_forward=True)
     dist.barrier()
 
 
@@ -107,13 +110,13 @@ def check_vocab_parallel_2d_mesh():
     return _vocab_parallel_case(mesh, 1, 17, seed=seed, bias=True, reduction="mean", smoothing=0.1)
 
 
-def _fsdp_case(shard_head_only: bool):
+def _fsdp_case(shard_head_only: bool, grad_in_forward: bool):
     """World-2 DP: each rank's loss equals the unsharded one on its tokens; the sharded weight
     gradient equals the average of the unsharded per-rank gradients (FSDP2 averages)."""
     torch.manual_seed(0)
     head = nn.Linear(8, 19, bias=True)
     ref_head = copy.deepcopy(head)
-    loss_mod = LinearCrossEntropy(head, chunk_size=4)
+    loss_mod = LinearCrossEntropy(head, chunk_size=4, grad_in_forward=grad_in_forward)
     mesh = make_mesh((dist.get_world_size(),), ("dp",))
     if shard_head_only:
         fully_shard(loss_mod.lm_head, mesh=mesh)
@@ -138,16 +141,21 @@ def _fsdp_case(shard_head_only: bool):
 
 
 def check_fsdp_loss_module_unit():
-    _fsdp_case(shard_head_only=False)
+    _fsdp_case(shard_head_only=False, grad_in_forward=True)
 
 
 def check_fsdp_lm_head_own_unit():
-    _fsdp_case(shard_head_only=True)
+    _fsdp_case(shard_head_only=True, grad_in_forward=True)
+
+
+def check_fsdp_lm_head_own_unit_recompute():
+    _fsdp_case(shard_head_only=True, grad_in_forward=False)
 
 
 def check_num_valid_tokens_dp_microbatches():
     """2 DP ranks × 2 micro-batches of different sizes and ignore rates, mean loss divided by
-    the global count, grads summed over micro-batches and ranks == one big batch's gradient."""
+    the global count, grads summed over micro-batches and ranks == one big batch's gradient
+    (micro-batches alternate between the gradient-in-forward and the recompute path)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     weight = make_inputs(1, 6, 15, seed=0)[1]
     batches = [
@@ -161,8 +169,10 @@ def check_num_valid_tokens_dp_microbatches():
     assert total == sum(int((lb != -100).sum()) for _, _, _, lb in batches)
     w = weight.clone().requires_grad_()
     grad_local_mean = torch.zeros_like(weight)
-    for hidden, _, _, labels in mine:
-        linear_cross_entropy(hidden, w, labels, num_valid_tokens=total, chunk_size=4).backward()
+    for i, (hidden, _, _, labels) in enumerate(mine):
+        linear_cross_entropy(
+            hidden, w, labels, num_valid_tokens=total, chunk_size=4, grad_in_forward=i == 0
+        ).backward()
         wl = weight.clone().requires_grad_()
         linear_cross_entropy(hidden, wl, labels).backward()
         grad_local_mean += wl.grad
@@ -184,6 +194,7 @@ WORLD2 = [
     check_vocab_parallel_errors_are_agreed,
     check_fsdp_loss_module_unit,
     check_fsdp_lm_head_own_unit,
+    check_fsdp_lm_head_own_unit_recompute,
     check_num_valid_tokens_dp_microbatches,
 ]
 WORLD4 = [

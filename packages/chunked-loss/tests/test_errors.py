@@ -88,6 +88,12 @@ def call(**overrides):
             "weight dtype torch.float64 differs from hidden dtype torch.float32",
         ),
         ({"hidden": [[1.0]]}, TypeError, "hidden must be a torch.Tensor, got list"),
+        ({"grad_in_forward": 1}, TypeError, "grad_in_forward must be a bool or None, got int"),
+        (
+            {"grad_in_forward": True, "reduction": "none"},
+            ValueError,
+            r'grad_in_forward=True needs a scalar loss \(reduction "mean" or "sum"\)',
+        ),
     ],
 )
 def test_linear_cross_entropy_rejects(overrides, error, match):

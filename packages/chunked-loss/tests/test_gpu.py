@@ -17,10 +17,13 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_parity(dtype):
+@pytest.mark.parametrize("gif", [True, False], ids=["grad_in_forward", "recompute"])
+def test_cuda_parity(dtype, gif):
     hidden, weight, bias, labels = make_inputs(300, 64, 1001)
     leaves = [t.cuda().to(dtype).requires_grad_() for t in (hidden, weight, bias)]
-    loss = linear_cross_entropy(leaves[0], leaves[1], labels.cuda(), bias=leaves[2], chunk_size=64)
+    loss = linear_cross_entropy(
+        leaves[0], leaves[1], labels.cuda(), bias=leaves[2], chunk_size=64, grad_in_forward=gif
+    )
     loss.backward()
     rounded = [t.detach().float().cpu() for t in leaves]  # the same (bf16-rounded) inputs
     ref_loss, ref_grads = reference(rounded[0], rounded[1], labels, bias=rounded[2])
@@ -40,13 +43,16 @@ def _peak_extra(fn, *tensors):
     return torch.cuda.max_memory_allocated() - base
 
 
-def test_cuda_peak_memory_is_bounded():
+@pytest.mark.parametrize("gif", [True, False], ids=["grad_in_forward", "recompute"])
+def test_cuda_peak_memory_is_bounded(gif):
     n, h, v = 8192, 256, 32000
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, v, (n,), device="cuda")
     ours = _peak_extra(
-        lambda a, b: linear_cross_entropy(a, b, labels, chunk_size=512), hidden, weight
+        lambda a, b: linear_cross_entropy(a, b, labels, chunk_size=512, grad_in_forward=gif),
+        hidden,
+        weight,
     )
     hidden.grad = weight.grad = None
     naive = _peak_extra(lambda a, b: F.cross_entropy((a @ b.T).float(), labels), hidden, weight)

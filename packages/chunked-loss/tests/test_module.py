@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,11 +13,14 @@ from chunked_loss import LinearCrossEntropy, global_num_valid_tokens
 from dist_testkit import assert_close, assert_grads_close
 
 
-def test_wraps_lm_head_and_matches_linear_plus_cross_entropy():
+@pytest.mark.parametrize("gif", [None, True, False])
+def test_wraps_lm_head_and_matches_linear_plus_cross_entropy(gif):
     torch.manual_seed(0)
     head = nn.Linear(12, 37)
     ref_head = copy.deepcopy(head)
-    loss_mod = LinearCrossEntropy(head, chunk_size=5, label_smoothing=0.1, ignore_index=3)
+    loss_mod = LinearCrossEntropy(
+        head, chunk_size=5, label_smoothing=0.1, ignore_index=3, grad_in_forward=gif
+    )
     assert loss_mod.lm_head is head
     hidden = torch.randn(2, 9, 12)
     labels = torch.randint(0, 37, (2, 9))

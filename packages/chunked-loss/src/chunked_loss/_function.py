@@ -1,4 +1,7 @@
-"""The chunked fused linear cross-entropy as one ``torch.autograd.Function``.
+"""The chunked fused linear cross-entropy as one ``torch.autograd.Function`` (recompute path).
+
+This path serves ``reduction="none"``, the vocab-parallel path and ``grad_in_forward=False``;
+scalar losses default to ``_fused``, which forms the same gradients during the forward.
 
 Per token ``i`` with logits ``z_i = W h_i + b`` (length V), target ``t_i`` and smoothing ``ε``,
 ``F.cross_entropy`` computes
@@ -33,7 +36,14 @@ import torch.nn.functional as F
 
 from chunked_loss._checks import forbid_double_backward
 
-__all__ = ["LinearCrossEntropyFunction", "Spec"]
+__all__ = [
+    "LinearCrossEntropyFunction",
+    "Spec",
+    "dlogits_",
+    "logits_fp32",
+    "probs_to_dlogits_",
+    "targets",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +59,7 @@ class Spec:
     group: dist.ProcessGroup | None = None
 
 
-def _logits_fp32(
+def logits_fp32(
     hidden_CH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None
 ) -> torch.Tensor:
     """One chunk of logits in fp32, a fresh tensor the caller may overwrite."""
@@ -57,7 +67,25 @@ def _logits_fp32(
     return logits_CV if logits_CV.dtype == torch.float32 else logits_CV.float()
 
 
-def _targets(labels_N: torch.Tensor, spec: Spec, local_vocab: int):
+def probs_to_dlogits_(probs_CV, here_C, col_C, scale_C, spec: Spec) -> torch.Tensor:
+    """Turn one fp32 chunk of softmax probabilities, in place, into ``scale · ∂loss/∂z``:
+    ``softmax − ε/V − (1 − ε)·onehot`` (the one-hot only where this shard holds the target,
+    without a host sync), each row times ``scale_C`` (0 for ignored tokens)."""
+    eps = spec.label_smoothing
+    if eps > 0.0:
+        probs_CV.sub_(eps / spec.vocab_total)
+    hit_C1 = here_C[:, None].to(probs_CV.dtype).mul_(eps - 1.0)
+    probs_CV.scatter_add_(1, col_C[:, None], hit_C1)
+    return probs_CV.mul_(scale_C[:, None])
+
+
+def dlogits_(logits_CV, lse_C, here_C, col_C, scale_C, spec: Spec) -> torch.Tensor:
+    """``probs_to_dlogits_`` of ``softmax = exp(logits − lse)``, all in the logits' buffer."""
+    probs_CV = logits_CV.sub_(lse_C[:, None]).exp_()
+    return probs_to_dlogits_(probs_CV, here_C, col_C, scale_C, spec)
+
+
+def targets(labels_N: torch.Tensor, spec: Spec, local_vocab: int):
     """valid_N: not ignored; here_N: the target column lies in this shard; col_N: its column."""
     valid_N = labels_N != spec.ignore_index
     col_N = labels_N.long() - spec.vocab_start
@@ -76,14 +104,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, hidden_NH, weight_VH, bias_V, labels_N, spec: Spec):
         n_tokens, local_vocab = hidden_NH.shape[0], weight_VH.shape[0]
         eps = spec.label_smoothing
-        valid_N, here_N, col_N = _targets(labels_N, spec, local_vocab)
+        valid_N, here_N, col_N = targets(labels_N, spec, local_vocab)
         lse_N = torch.full((n_tokens,), -torch.inf, dtype=torch.float32, device=hidden_NH.device)
         target_N = torch.zeros_like(lse_N)
         zsum_N = torch.zeros_like(lse_N)
         if local_vocab > 0:
             for s in range(0, n_tokens, spec.chunk_size):
                 e = min(s + spec.chunk_size, n_tokens)
-                logits_CV = _logits_fp32(hidden_NH[s:e], weight_VH, bias_V)
+                logits_CV = logits_fp32(hidden_NH[s:e], weight_VH, bias_V)
                 lse_N[s:e] = torch.logsumexp(logits_CV, dim=-1)
                 target_N[s:e] = logits_CV.gather(1, col_N[s:e, None]).squeeze(1)
                 if eps > 0.0:
@@ -91,7 +119,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 del logits_CV
         target_N = torch.where(here_N, target_N, 0.0)
         if spec.group is not None and n_tokens > 0:
-            lse_N, target_N, zsum_N = _combine_shards(lse_N, target_N, zsum_N, spec.group)
+            lse_N, target_N, zsum_N = combine_shards(lse_N, target_N, zsum_N, spec.group)
         loss_N = lse_N - (1.0 - eps) * target_N
         if eps > 0.0:
             loss_N = loss_N - (eps / spec.vocab_total) * zsum_N
@@ -107,8 +135,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         spec: Spec = ctx.spec
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n_tokens, local_vocab = hidden_NH.shape[0], weight_VH.shape[0]
-        eps = spec.label_smoothing
-        valid_N, here_N, col_N = _targets(labels_N, spec, local_vocab)
+        valid_N, here_N, col_N = targets(labels_N, spec, local_vocab)
         scale_N = torch.where(valid_N, grad_N.float(), 0.0)
         grad_h = torch.zeros_like(hidden_NH) if need_h else None
         grad_w32 = (
@@ -125,15 +152,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             for s in range(0, n_tokens, spec.chunk_size):
                 e = min(s + spec.chunk_size, n_tokens)
                 hidden_CH = hidden_NH[s:e]
-                # logits → softmax → ∂loss/∂z, in place in one fp32 buffer.
-                dz_CV = _logits_fp32(hidden_CH, weight_VH, bias_V)
-                dz_CV.sub_(lse_N[s:e, None]).exp_()
-                if eps > 0.0:
-                    dz_CV.sub_(eps / spec.vocab_total)
-                # -(1 - ε) at the target column, where this shard holds it (no host sync).
-                hit_C1 = here_N[s:e, None].to(dz_CV.dtype).mul_(eps - 1.0)
-                dz_CV.scatter_add_(1, col_N[s:e, None], hit_C1)
-                dz_CV.mul_(scale_N[s:e, None])
+                dz_CV = dlogits_(
+                    logits_fp32(hidden_CH, weight_VH, bias_V),
+                    lse_N[s:e],
+                    here_N[s:e],
+                    col_N[s:e],
+                    scale_N[s:e],
+                    spec,
+                )
                 if need_h:
                     grad_h[s:e] = dz_CV.to(weight_VH.dtype) @ weight_VH
                 if need_w:
@@ -148,7 +174,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None
 
 
-def _combine_shards(lse_N, target_N, zsum_N, group):
+def combine_shards(lse_N, target_N, zsum_N, group):
     """Full-vocabulary row statistics from per-shard ones: logsumexp over shards (max-shifted,
     an empty shard contributes lse = -inf, i.e. nothing), target logit and logit sum by SUM."""
     max_N = lse_N.clone()

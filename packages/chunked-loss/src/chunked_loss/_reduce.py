@@ -18,10 +18,11 @@ def reduce_loss(
     ignore_index: int,
     num_valid_tokens: int | torch.Tensor | None,
 ) -> torch.Tensor:
-    """``loss_N`` [N] per-token losses (0 where ignored); ``labels`` [N] or [B, S]."""
+    """``loss_N`` [N] per-token losses (0 where ignored), or their sum as a scalar; ``labels``
+    [N] or [B, S]."""
     if reduction == "none":
         return loss_N.view(labels.shape)
-    total = loss_N.sum()
+    total = loss_N.sum() if loss_N.dim() else loss_N
     if reduction == "sum":
         return total
     if num_valid_tokens is None:

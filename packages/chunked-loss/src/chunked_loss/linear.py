@@ -1,8 +1,16 @@
 """``linear_cross_entropy``: cross-entropy of ``hidden @ weight.T + bias`` without [N, V] logits.
 
-The math and the memory argument live in ``_function``; this module checks the arguments,
-flattens [B, S, ...] to [N, ...], picks the vocab-parallel path when ``weight`` is a DTensor and
-applies the reduction. On the vocab-parallel path the input checks are agreed over the TP group
+The math and the memory argument live in ``_function`` (backward recomputes each chunk) and
+``_fused`` (gradients formed during the forward, for a scalar loss); this module checks the
+arguments, flattens [B, S, ...] to [N, ...], picks the vocab-parallel path when ``weight`` is a
+DTensor, picks one of the two Functions (``grad_in_forward``) and applies the reduction. Both
+give the same loss and gradients; "mean" is the summed loss divided by a constant either way.
+
+The vocab-parallel path always recomputes: a shard's ``∂loss/∂z`` needs the global log-sum-exp,
+known only after an all-reduce over the TP group. Forming the gradient in the forward there
+would take either a second pass over the chunks (4 matmuls again, no gain) or two collectives
+per chunk inside the loop (3 matmuls, but ranks would synchronise once per chunk instead of
+once per call); the recompute path keeps one forward and one backward collective. On the vocab-parallel path the input checks are agreed over the TP group
 before anyone raises, so no rank is left waiting in the loss's collectives.
 """
 
@@ -19,6 +27,7 @@ from chunked_loss._checks import (
     default_chunk_size,
 )
 from chunked_loss._function import LinearCrossEntropyFunction, Spec
+from chunked_loss._fused import FusedLinearCrossEntropyFunction
 from chunked_loss._reduce import reduce_loss
 from chunked_loss._vocab_parallel import VocabShard, agree, vocab_shard
 
@@ -36,6 +45,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     label_smoothing: float = 0.0,
     num_valid_tokens: int | torch.Tensor | None = None,
+    grad_in_forward: bool | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T + bias, labels)``, computed ``chunk_size`` tokens at a time.
 
@@ -52,6 +62,14 @@ def linear_cross_entropy(
         label_smoothing: ε in [0, 1], as in ``F.cross_entropy``.
         num_valid_tokens: the global number of non-ignored labels (all DP/CP ranks and
             micro-batches, see ``global_num_valid_tokens``); ``"mean"`` divides by it.
+        grad_in_forward: ``None`` (auto) computes the gradients during the forward (3 matmuls,
+            like the naive loss) whenever that is exact and useful — ``reduction`` is
+            ``"mean"``/``"sum"``, grad mode is on, some input requires grad and ``weight`` is not
+            vocab-parallel — and otherwise recomputes each chunk's logits in backward (4
+            matmuls, nothing but [N] floats saved beyond the inputs). ``True`` forces the
+            former (``ValueError`` where it does not apply), ``False`` the latter, e.g. when
+            many forwards run without a backward, or to free the [V, H] weight gradient
+            between forward and backward.
 
     Returns:
         fp32 loss: a scalar, or [N] / [B, S] for ``reduction="none"``. With every label ignored
@@ -91,10 +109,41 @@ def linear_cross_entropy(
         vocab_total=shard.vocab,
         group=shard.group,
     )
-    loss_N = LinearCrossEntropyFunction.apply(
-        hidden.reshape(-1, hidden.shape[-1]), shard.weight, shard.bias, labels.reshape(-1), spec
-    )
+    args = (hidden.reshape(-1, hidden.shape[-1]), shard.weight, shard.bias, labels.reshape(-1))
+    if _use_grad_in_forward(grad_in_forward, reduction, shard, hidden):
+        total = FusedLinearCrossEntropyFunction.apply(*args, spec)
+        return reduce_loss(total, labels, reduction, ignore_index, num_valid_tokens)
+    loss_N = LinearCrossEntropyFunction.apply(*args, spec)
     return reduce_loss(loss_N, labels, reduction, ignore_index, num_valid_tokens)
+
+
+def _use_grad_in_forward(
+    choice: bool | None, reduction: str, shard: VocabShard, hidden: torch.Tensor
+) -> bool:
+    """Resolve ``grad_in_forward``: the fused path needs a scalar loss and one process's whole
+    vocabulary (on the vocab-parallel path ``∂loss/∂z`` needs the global log-sum-exp, which the
+    recompute path has in backward after one forward all-reduce)."""
+    if choice is None:
+        tensors = (hidden, shard.weight, shard.bias)
+        return (
+            reduction != "none"
+            and shard.group is None
+            and torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in tensors)
+        )
+    if not isinstance(choice, bool):
+        raise TypeError(f"grad_in_forward must be a bool or None, got {type(choice).__name__}")
+    if choice and reduction == "none":
+        raise ValueError(
+            'grad_in_forward=True needs a scalar loss (reduction "mean" or "sum"), got '
+            'reduction="none"'
+        )
+    if choice and shard.group is not None:
+        raise ValueError(
+            "grad_in_forward=True is not available for a vocab-parallel (Shard(0) DTensor) "
+            "weight: the chunk gradient needs the global log-sum-exp; use None or False"
+        )
+    return choice
 
 
 def _check_dtypes(hidden: torch.Tensor, shard: VocabShard) -> str | None:

@@ -47,6 +47,7 @@ class LinearCrossEntropy(nn.Module):
         reduction: str = "mean",
         chunk_size: int | None = None,
         label_smoothing: float = 0.0,
+        grad_in_forward: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(lm_head, nn.Linear):
@@ -57,6 +58,7 @@ class LinearCrossEntropy(nn.Module):
         self.reduction = reduction
         self.chunk_size = chunk_size
         self.label_smoothing = label_smoothing
+        self.grad_in_forward = grad_in_forward
 
     @classmethod
     def create(
@@ -87,6 +89,7 @@ class LinearCrossEntropy(nn.Module):
             "chunk_size": self.chunk_size,
             "label_smoothing": self.label_smoothing,
             "num_valid_tokens": num_valid_tokens,
+            "grad_in_forward": self.grad_in_forward,
         }
         if isinstance(head, FSDPModule):
             if not hasattr(head, _HEAD_METHOD):
@@ -100,7 +103,8 @@ class LinearCrossEntropy(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
-            f"chunk_size={self.chunk_size}, label_smoothing={self.label_smoothing}"
+            f"chunk_size={self.chunk_size}, label_smoothing={self.label_smoothing}, "
+            f"grad_in_forward={self.grad_in_forward}"
         )
 
 
