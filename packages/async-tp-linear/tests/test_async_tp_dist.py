@@ -17,38 +17,12 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from tp_mlp import MLP, sequence_parallel_plan
 
 from async_tp_linear import enable_async_tp, find_fusion_patterns, swap_tp_linears
 from dist_testkit import assert_close, full, make_mesh, run_checks
 
 B, S, H, F = 2, 8, 16, 32
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(H)
-        self.up = nn.Linear(H, F)
-        self.down = nn.Linear(F, H)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(self.norm(x))))
-
-
-def _plan():
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    return {
-        "norm": SequenceParallel(),
-        "up": ColwiseParallel(input_layouts=Shard(1)),
-        "down": RowwiseParallel(output_layouts=Shard(1)),
-    }
 
 
 _CPU_KERNEL_CALLS = {"fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
@@ -155,15 +129,15 @@ def _setup(use_tp_linear):
     mesh = make_mesh((2,), ("tp",))
     rank = dist.get_rank()
     torch.manual_seed(0)
-    ref = MLP()
+    ref = MLP(H, F)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    model = MLP()
+    model = MLP(H, F)
     model.load_state_dict(ref.state_dict())
     if use_tp_linear:
-        assert swap_tp_linears(model, _plan()) == ["up", "down"]
-    parallelize_module(model, mesh, _plan())
+        assert swap_tp_linears(model, sequence_parallel_plan()) == ["up", "down"]
+    parallelize_module(model, mesh, sequence_parallel_plan())
     g = torch.Generator().manual_seed(1)
     x = torch.randn(B, S, H, generator=g)
     grad_out = torch.randn(B, S, H, generator=g)

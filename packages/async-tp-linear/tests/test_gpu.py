@@ -7,7 +7,7 @@ otherwise. The ranks start on gloo (dist-testkit) and build an NCCL group for th
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from tp_mlp import MLP, sequence_parallel_plan
 
 from async_tp_linear import enable_async_tp, find_fusion_patterns, swap_tp_linears
 from dist_testkit import assert_close, full, run_checks
@@ -17,27 +17,10 @@ pytestmark = pytest.mark.gpu
 B, H, F = 2, 256, 512
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(H)
-        self.up = nn.Linear(H, F)
-        self.down = nn.Linear(F, H)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(self.norm(x))))
-
-
 def check_real_async_tp_fuses_and_matches_reference():
     import torch._inductor.config as inductor_config
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
@@ -46,14 +29,10 @@ def check_real_async_tp_fuses_and_matches_reference():
     mesh = DeviceMesh.from_group(dist.new_group(backend="nccl"), "cuda", mesh_dim_names=("tp",))
     enable_async_tp(mesh, sequence_parallel=True)
 
-    plan = {
-        "norm": SequenceParallel(),
-        "up": ColwiseParallel(input_layouts=Shard(1)),
-        "down": RowwiseParallel(output_layouts=Shard(1)),
-    }
+    plan = sequence_parallel_plan()
     torch.manual_seed(0)
-    ref = MLP().cuda()
-    model = MLP().cuda()
+    ref = MLP(H, F).cuda()
+    model = MLP(H, F).cuda()
     model.load_state_dict(ref.state_dict())
     swap_tp_linears(model, plan)
     parallelize_module(model, mesh, plan)
