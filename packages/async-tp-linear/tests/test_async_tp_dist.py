@@ -17,6 +17,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+from compile_helpers import no_graph_cache
 from tp_mlp import MLP, sequence_parallel_plan
 
 from async_tp_linear import enable_async_tp, find_fusion_patterns, swap_tp_linears
@@ -65,20 +66,6 @@ def _pass_gates_open():
         yield
     finally:
         dist.is_nccl_available, symm_mem.is_symm_mem_enabled_for_group = saved
-
-
-@contextlib.contextmanager
-def no_graph_cache():
-    """Compile for real (the recorded passes must run) but keep the on-disk kernel cache, and
-    compile in-process (a worker pool costs more than it saves on a 2-core machine)."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    with (
-        inductor_config.patch(fx_graph_cache=False, compile_threads=1),
-        functorch_config.patch(enable_autograd_cache=False),
-    ):
-        yield
 
 
 def _compile_and_record(model_tp, x_local, grad_local, *, gates_open):

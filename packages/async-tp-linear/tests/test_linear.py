@@ -1,28 +1,13 @@
 """tp_linear / TPLinear equal a naive float64 linear in forward and backward, eager and compiled."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
+from compile_helpers import no_graph_cache
 from torch import nn
 
 from async_tp_linear import TPLinear, tp_linear
 from dist_testkit import assert_close
-
-
-@contextlib.contextmanager
-def no_graph_cache():
-    """Compile for real (the recorded passes must run) but keep the on-disk kernel cache, and
-    compile in-process (a worker pool costs more than it saves on a 2-core machine)."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    with (
-        inductor_config.patch(fx_graph_cache=False, compile_threads=1),
-        functorch_config.patch(enable_autograd_cache=False),
-    ):
-        yield
 
 
 def naive_linear(x, weight, bias):

@@ -85,6 +85,16 @@ def dlogits_(logits_CV, lse_C, here_C, col_C, scale_C, spec: Spec) -> torch.Tens
     return probs_to_dlogits_(probs_CV, here_C, col_C, scale_C, spec)
 
 
+def grad_buffers(hidden_NH, weight_VH, need_h: bool, need_w: bool, need_b: bool):
+    """Zeroed gradient accumulators: hidden in its own dtype, weight and bias in fp32 (None where
+    no gradient is needed)."""
+    grad_h = torch.zeros_like(hidden_NH) if need_h else None
+    f32 = {"dtype": torch.float32, "device": weight_VH.device}
+    grad_w32 = torch.zeros(weight_VH.shape, **f32) if need_w else None
+    grad_b32 = torch.zeros(weight_VH.shape[0], **f32) if need_b else None
+    return grad_h, grad_w32, grad_b32
+
+
 def targets(labels_N: torch.Tensor, spec: Spec, local_vocab: int):
     """valid_N: not ignored; here_N: the target column lies in this shard; col_N: its column."""
     valid_N = labels_N != spec.ignore_index
@@ -137,17 +147,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         n_tokens, local_vocab = hidden_NH.shape[0], weight_VH.shape[0]
         valid_N, here_N, col_N = targets(labels_N, spec, local_vocab)
         scale_N = torch.where(valid_N, grad_N.float(), 0.0)
-        grad_h = torch.zeros_like(hidden_NH) if need_h else None
-        grad_w32 = (
-            torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
-            if need_w
-            else None
-        )
-        grad_b32 = (
-            torch.zeros(local_vocab, dtype=torch.float32, device=weight_VH.device)
-            if need_b
-            else None
-        )
+        grad_h, grad_w32, grad_b32 = grad_buffers(hidden_NH, weight_VH, need_h, need_w, need_b)
         if local_vocab > 0 and (need_h or need_w or need_b):
             for s in range(0, n_tokens, spec.chunk_size):
                 e = min(s + spec.chunk_size, n_tokens)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from chunked_loss._checks import forbid_double_backward
-from chunked_loss._function import Spec, logits_fp32, probs_to_dlogits_, targets
+from chunked_loss._function import Spec, grad_buffers, logits_fp32, probs_to_dlogits_, targets
 
 __all__ = ["FusedLinearCrossEntropyFunction"]
 
@@ -46,15 +46,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         valid_N, here_N, col_N = targets(labels_N, spec, vocab)
         weight_N = valid_N.float()
         loss_N = torch.zeros(n_tokens, dtype=torch.float32, device=hidden_NH.device)
-        grad_h = torch.zeros_like(hidden_NH) if need_h else None
-        grad_w32 = (
-            torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
-            if need_w
-            else None
-        )
-        grad_b32 = (
-            torch.zeros(vocab, dtype=torch.float32, device=weight_VH.device) if need_b else None
-        )
+        grad_h, grad_w32, grad_b32 = grad_buffers(hidden_NH, weight_VH, need_h, need_w, need_b)
         if vocab > 0:
             for s in range(0, n_tokens, spec.chunk_size):
                 e = min(s + spec.chunk_size, n_tokens)
