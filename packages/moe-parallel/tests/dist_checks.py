@@ -61,11 +61,13 @@ def _grad(module, name):
     return module.get_parameter(name).grad
 
 
-def _ep_run(world, detach_router=False):
+def _ep_run(world, detach_router=False, backend="torch"):
     rank = dist.get_rank()
     xs, gs = _rank_inputs(world, seed=10)
     ref, y_ref, gx_ref = _reference(xs, gs)
-    moe = apply_expert_parallel(tiny_moe(), make_mesh((world,), ("ep",)))
+    moe = tiny_moe()
+    moe.experts.backend = backend
+    moe = apply_expert_parallel(moe, make_mesh((world,), ("ep",)))
     if detach_router:
         moe.gate.register_forward_hook(lambda m, i, out: (out[0], out[1].detach(), out[2]))
     x = xs[rank].clone().requires_grad_()
@@ -83,12 +85,12 @@ def _summed(moe, name):
     return g
 
 
-def check_ep_parity() -> list[int]:
+def check_ep_parity(backend: str = "torch") -> list[int]:
     """EP = world: outputs, input grads, expert grads (gathered) and router / shared-expert grads
     (summed over ranks as data parallelism would) equal the reference; an idle expert's grad is
     zero, not None."""
     world = dist.get_world_size()
-    ref, moe, (y, y_ref), (gx, gx_ref) = _ep_run(world)
+    ref, moe, (y, y_ref), (gx, gx_ref) = _ep_run(world, backend=backend)
     assert_close(y, y_ref, name="output")
     assert_close(gx, gx_ref, name="x.grad")
     for name in EXPERT:
@@ -101,6 +103,21 @@ def check_ep_parity() -> list[int]:
     local_rows = moe.experts.gate_up_proj.to_local().shape[0]
     assert local_rows == 8 // world
     return moe.stats.tokens_per_expert.tolist()
+
+
+def check_ep_parity_te_stand_in() -> list[int]:
+    """``check_ep_parity`` with the TE backend (CPU stand-in with TE's zero-row garbage): every
+    rank's local expert views get their gradients through TE's autograd into the DTensor shard."""
+    import fake_te
+
+    from moe_parallel import te_backend
+
+    fake_te.install()
+    te_backend.TE_DEVICE_TYPES = ("cuda", "cpu")
+    try:
+        return check_ep_parity(backend="te")
+    finally:
+        te_backend.TE_DEVICE_TYPES = ("cuda",)
 
 
 def check_ep_detached_router_is_caught() -> None:

@@ -7,6 +7,7 @@ from dist_checks import (
     check_ac_under_ep_wraps_vision,
     check_ep_detached_router_is_caught,
     check_ep_parity,
+    check_ep_parity_te_stand_in,
     check_ep_size_must_divide_experts,
     check_ep_tp_grads,
     check_ep_tp_token_split_exact,
@@ -19,6 +20,7 @@ from dist_testkit import run_checks
 
 CHECKS = [
     check_ep_parity,
+    check_ep_parity_te_stand_in,
     check_ep_detached_router_is_caught,
     check_ep_size_must_divide_experts,
     check_tp_shared_expert,
@@ -39,8 +41,9 @@ def test_rank_check(report, check):
     report.assert_passed(check)
 
 
-def test_token_counts_are_uneven_and_complete(report):
-    counts = report.assert_passed(check_ep_parity)
+@pytest.mark.parametrize("check", [check_ep_parity, check_ep_parity_te_stand_in])
+def test_token_counts_are_uneven_and_complete(report, check):
+    counts = report.assert_passed(check)
     totals = [sum(c) for c in counts]
     assert len(set(totals)) == len(totals), totals  # every rank routed a different number
     assert totals == [2 * seq_len(r) for r in range(report.world_size)]

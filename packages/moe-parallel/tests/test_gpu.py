@@ -1,17 +1,24 @@
-"""CUDA path: the grouped GEMM (bf16 and fp32, whichever ``torch._grouped_mm`` supports on the
-device) equals the exact per-expert loop forward and backward, and idle experts get zero grads.
-Skipped without CUDA. TransformerEngine's grouped linear is not an expert backend of this
-package (see README), so there is no TE test here."""
+"""CUDA paths: the grouped GEMM (bf16 and fp32, whichever ``torch._grouped_mm`` supports on the
+device) and TransformerEngine's ``GroupedLinear`` (``backend="te"``, needs the ``gpu`` extra)
+equal the exact per-expert loop forward and backward, and idle experts get zero (never ``None``,
+never stale-buffer) grads. Skipped without CUDA."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dist_testkit import assert_close
-from moe_parallel import expert_swiglu
+from moe_parallel import MoE, expert_swiglu
 from moe_parallel.grouped import grouped_mm_works
+
+HAS_TE = importlib.util.find_spec("transformer_engine") is not None
+needs_te = pytest.mark.skipif(
+    not HAS_TE, reason="needs transformer_engine (`uv sync --extra gpu` / moe-parallel[gpu])"
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,8 +34,7 @@ def _loop_ref(x, counts, gate_up, down):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_grouped_equals_loop_with_idle_expert(dtype):
+def _check_against_loop(dtype, backend):
     g = torch.Generator(device="cuda").manual_seed(0)
     counts = torch.tensor([40, 0, 17, 71], device="cuda")
     x = torch.randn(128, 64, device="cuda", dtype=dtype, generator=g)
@@ -38,7 +44,7 @@ def test_cuda_grouped_equals_loop_with_idle_expert(dtype):
     ]
     ours = [w.clone().requires_grad_() for w in weights]
     ref = [w.float().clone().requires_grad_() for w in weights]
-    y = expert_swiglu(x, counts, *ours)
+    y = expert_swiglu(x, counts, *ours, backend=backend)
     y_ref = _loop_ref(x.float(), counts, *ref)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
     assert_close(y.float(), y_ref, **tol)
@@ -48,5 +54,46 @@ def test_cuda_grouped_equals_loop_with_idle_expert(dtype):
         assert a.grad is not None
         assert_close(a.grad.float(), b.grad, **tol)
     assert torch.count_nonzero(ours[0].grad[1]) == 0
+    assert torch.count_nonzero(ours[1].grad[1]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_grouped_equals_loop_with_idle_expert(dtype):
+    _check_against_loop(dtype, "torch")
     if dtype == torch.bfloat16:
+        x = torch.ones(1, 64, device="cuda", dtype=dtype)
         assert grouped_mm_works(x, 64, 32), "bf16 grouped GEMM should run on CUDA"
+
+
+@needs_te
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_te_grouped_linear_equals_loop_with_idle_expert(dtype):
+    _check_against_loop(dtype, "te")
+
+
+@needs_te
+def test_te_backend_zero_token_expert_over_repeated_steps():
+    """The idle expert's grad is exactly zero on every step, also after other experts' buffers
+    were freed and reused (what TE's uninitialised wgrad buffer could otherwise expose)."""
+    torch.manual_seed(0)
+    te_moe = MoE(64, 8, 2, 32, 32, init_std=0.1, expert_backend="te").cuda().bfloat16()
+    ref = MoE(64, 8, 2, 32, 32, init_std=0.1).cuda().bfloat16()
+    ref.load_state_dict(te_moe.state_dict())
+    with torch.no_grad():
+        for moe in (te_moe, ref):
+            moe.gate.weight[:, 0] = 0.5
+            moe.gate.weight[7, 0] = -8.0
+    for step in range(3):
+        x = torch.randn(4, 32, 64, device="cuda", dtype=torch.bfloat16)
+        x[..., 0] = 3.0
+        g = torch.randn(x.shape, device="cuda")
+        for moe in (te_moe, ref):
+            moe.zero_grad(set_to_none=True)
+            (moe(x).float() * g).sum().backward()
+        assert te_moe.stats.tokens_per_expert[7] == 0, step
+        for (name, p), q in zip(te_moe.named_parameters(), ref.parameters(), strict=True):
+            assert p.grad is not None, (step, name)
+            assert torch.isfinite(p.grad).all(), (step, name)
+            assert_close(p.grad.float(), q.grad.float(), rtol=5e-2, atol=2e-2, name=name)
+        assert torch.count_nonzero(te_moe.experts.gate_up_proj.grad[7]) == 0
+        assert torch.count_nonzero(te_moe.experts.down_proj.grad[7]) == 0

@@ -8,7 +8,9 @@ weight ``e``. Nothing is padded or dropped; the result equals a loop ``x_e @ W_e
 the device and dtype (fp32 on CPU in torch 2.15; it rejects float64 and widths whose byte stride is
 not a multiple of 16, and its backward fails on zero rows). Elsewhere an exact per-expert loop is
 used and the switch is logged once. Both paths keep every expert weight in the autograd graph, so
-an expert that received no rows gets a zero gradient, never ``None``.
+an expert that received no rows gets a zero gradient, never ``None``. ``backend="te"`` computes the
+same with TransformerEngine's ``GroupedLinear`` instead (:mod:`moe_parallel.te_backend`), under
+the same zero-gradient contract.
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ import logging
 import torch
 import torch.nn.functional as F
 
-__all__ = ["expert_swiglu", "grouped_mm_works"]
+from moe_parallel.te_backend import te_expert_swiglu
+
+__all__ = ["EXPERT_BACKENDS", "expert_swiglu", "grouped_mm_works", "loop_linear"]
+
+EXPERT_BACKENDS = ("torch", "te")
 
 _log = logging.getLogger(__name__)
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -53,13 +59,19 @@ def grouped_mm_works(x: torch.Tensor, hidden: int, intermediate: int) -> bool:
 _warned: set[tuple[str, torch.dtype]] = set()
 
 
-def _loop(x_MH: torch.Tensor, counts: list[int], w_EOH: torch.Tensor) -> torch.Tensor:
+def loop_linear(x_MH: torch.Tensor, counts: list[int], w_EOH: torch.Tensor) -> torch.Tensor:
+    """``x_e @ w_EOH[e].T`` for each row block ``x_e`` (exact; idle experts get zero grads)."""
     pieces = [F.linear(x_e, w_EOH[e]) for e, x_e in enumerate(torch.split(x_MH, counts))]
     return torch.cat(pieces)
 
 
 def expert_swiglu(
-    x_MH: torch.Tensor, counts_E: torch.Tensor, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor
+    x_MH: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_up_E2IH: torch.Tensor,
+    down_EHI: torch.Tensor,
+    *,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """``down_e(silu(gate_e(x)) * up_e(x))`` for every row, with row blocks grouped by expert.
 
@@ -68,6 +80,9 @@ def expert_swiglu(
         counts_E: [E] int, rows per expert (sums to M).
         gate_up_E2IH: [E, 2I, H], gate rows first then up rows (transformers' layout).
         down_EHI: [E, H, I].
+        backend: ``"torch"`` (grouped GEMM or exact loop, any device) or ``"te"``
+            (TransformerEngine's ``GroupedLinear``, CUDA; see :mod:`moe_parallel.te_backend`).
+            A call with no rows always takes the exact loop.
 
     Returns:
         [M, H], row ``m`` computed by the expert that owns it.
@@ -77,6 +92,10 @@ def expert_swiglu(
         raise ValueError(f"counts_E must be [{num_experts}], got {tuple(counts_E.shape)}")
     if x_MH.dim() != 2 or x_MH.shape[1] != hidden:
         raise ValueError(f"x_MH must be [M, {hidden}], got {tuple(x_MH.shape)}")
+    if backend not in EXPERT_BACKENDS:
+        raise ValueError(f"backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
+    if backend == "te" and x_MH.shape[0] > 0:
+        return te_expert_swiglu(x_MH, counts_E, gate_up_E2IH, down_EHI)
     if grouped_mm_works(x_MH, hidden, two_i // 2):
         offs = torch.cumsum(counts_E, 0).to(torch.int32)
         gate_up_M2I = torch._grouped_mm(x_MH, gate_up_E2IH.transpose(1, 2), offs=offs)
@@ -87,5 +106,5 @@ def expert_swiglu(
         _warned.add(key)
         _log.info("torch._grouped_mm unavailable for %s %s: exact per-expert loop", *key)
     counts = counts_E.tolist()
-    gate, up = _loop(x_MH, counts, gate_up_E2IH).chunk(2, dim=-1)
-    return _loop(F.silu(gate) * up, counts, down_EHI)
+    gate, up = loop_linear(x_MH, counts, gate_up_E2IH).chunk(2, dim=-1)
+    return loop_linear(F.silu(gate) * up, counts, down_EHI)

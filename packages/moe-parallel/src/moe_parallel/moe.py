@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe_parallel.grouped import expert_swiglu
+from moe_parallel.grouped import EXPERT_BACKENDS, expert_swiglu
 
 __all__ = ["MoE", "MoEStats", "load_balancing_loss"]
 
@@ -82,12 +82,18 @@ class Experts(nn.Module):
     After :func:`moe_parallel.apply_expert_parallel` the weights are DTensors ``Shard(0)`` over
     the EP mesh and ``ep_group`` is set; rows then travel to their expert's rank and back.
     ``tp_group`` (set by ``apply_expert_parallel(..., tp_mesh=...)``) splits identical tokens
-    over TP ranks before the dispatch.
+    over TP ranks before the dispatch. ``backend`` is the :func:`moe_parallel.expert_swiglu`
+    backend (``"torch"`` or ``"te"``).
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int) -> None:
+    def __init__(
+        self, hidden_size: int, num_experts: int, intermediate_size: int, backend: str = "torch"
+    ) -> None:
         super().__init__()
+        if backend not in EXPERT_BACKENDS:
+            raise ValueError(f"expert_backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
         self.num_experts = num_experts
+        self.backend = backend
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
@@ -127,7 +133,7 @@ class Experts(nn.Module):
         gate_up, down = self._local_weights()
 
         def compute(rows_MH: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
-            return expert_swiglu(rows_MH, local_counts, gate_up, down)
+            return expert_swiglu(rows_MH, local_counts, gate_up, down, backend=self.backend)
 
         if self.ep_group is None:
             y_sorted = compute(x_sorted, counts_E)
@@ -154,6 +160,9 @@ class MoE(nn.Module):
 
     After each forward, ``self.stats`` holds the step's router logits, aux loss and per-expert
     token counts. ``shared_intermediate_size=0`` builds a block without a shared expert.
+    ``expert_backend`` picks the routed-expert compute: ``"torch"`` (``torch._grouped_mm`` or an
+    exact loop, any device) or ``"te"`` (TransformerEngine's ``GroupedLinear``, CUDA); the
+    parameters and the state dict are the same for both.
     """
 
     def __init__(
@@ -166,6 +175,7 @@ class MoE(nn.Module):
         *,
         router_aux_loss_coef: float = 0.0,
         init_std: float = 0.02,
+        expert_backend: str = "torch",
     ) -> None:
         super().__init__()
         for name, value in (
@@ -180,7 +190,7 @@ class MoE(nn.Module):
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.router_aux_loss_coef = router_aux_loss_coef
         self.gate = TopKRouter(hidden_size, num_experts, top_k)
-        self.experts = Experts(hidden_size, num_experts, intermediate_size)
+        self.experts = Experts(hidden_size, num_experts, intermediate_size, expert_backend)
         self.shared_expert: SwiGLU | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_intermediate_size:
@@ -192,7 +202,7 @@ class MoE(nn.Module):
                 p.normal_(0.0, init_std)
 
     @classmethod
-    def from_config(cls, config: Any) -> MoE:
+    def from_config(cls, config: Any, *, expert_backend: str = "torch") -> MoE:
         """Build from a transformers ``Qwen3_5MoeTextConfig`` (or a config with ``text_config``)."""
         config = getattr(config, "text_config", config)
         act = getattr(config, "hidden_act", "silu")
@@ -208,6 +218,7 @@ class MoE(nn.Module):
             getattr(config, "shared_expert_intermediate_size", 0) or 0,
             router_aux_loss_coef=getattr(config, "router_aux_loss_coef", 0.0),
             init_std=getattr(config, "initializer_range", 0.02),
+            expert_backend=expert_backend,
         )
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
