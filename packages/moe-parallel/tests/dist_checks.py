@@ -120,6 +120,33 @@ def check_ep_parity_te_stand_in() -> list[int]:
         te_backend.TE_DEVICE_TYPES = ("cuda",)
 
 
+def check_global_aux_loss_share() -> None:
+    """Under EP with ``aux_loss_group``: the per-rank shares sum to the single-process aux loss
+    of the concatenated tokens, and the summed router grads of the shares equal its grad. The
+    per-rank (local-batch) losses do not average to it (negative control)."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    xs, _ = _rank_inputs(world, seed=110)
+    ref = tiny_moe()
+    ref(torch.cat(xs, dim=1))
+    ref.stats.aux_loss.backward()
+    mesh = make_mesh((world,), ("ep",))
+    moe = apply_expert_parallel(tiny_moe(), mesh)
+    moe(xs[rank])
+    local = moe.stats.aux_loss.detach().clone()
+    moe.aux_loss_group = mesh.get_group()
+    moe(xs[rank])
+    share = moe.stats.aux_loss
+    share.backward()
+    total = share.detach().clone()
+    dist.all_reduce(total)
+    assert_close(total, ref.stats.aux_loss.detach(), name="sum of shares")
+    assert_close(_summed(moe, "gate.weight"), _grad(ref, "gate.weight"), name="gate.weight")
+    dist.all_reduce(local)
+    gap = (local / world - ref.stats.aux_loss.detach()).abs().item()
+    assert gap > 1e-3, f"local aux losses average to the global one ({gap}): control too weak"
+
+
 def check_ep_detached_router_is_caught() -> None:
     """Negative control: router weights detached before the combine → router grad differs."""
     world = dist.get_world_size()

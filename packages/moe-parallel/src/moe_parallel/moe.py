@@ -14,8 +14,10 @@ are the same whether a row was computed locally or on another rank.
 
 The load-balancing loss equals transformers' ``load_balancing_loss_func`` applied to this
 block's router logits alone (``E * sum_e f_e * P_e`` with ``f_e`` the fraction of top-k
-assignments and ``P_e`` the mean probability of expert ``e``); under EP it covers the tokens of
-the calling rank.
+assignments and ``P_e`` the mean probability of expert ``e``). By default it covers the calling
+rank's tokens. With ``MoE.aux_loss_group`` set (the ranks holding disjoint tokens of one global
+batch: DP x CP, not TP replicas), each rank gets its SHARE of the global-batch loss, see
+:func:`load_balancing_loss`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class MoEStats:
     Attributes:
         router_logits: [N, E] router logits of the N = B*S tokens (differentiable).
         aux_loss: scalar load-balancing loss of this block (differentiable, not yet scaled by
-            ``router_aux_loss_coef``).
+            ``router_aux_loss_coef``); this rank's share of the global-batch loss when
+            ``MoE.aux_loss_group`` is set.
         tokens_per_expert: [E] int64, top-k assignments per expert made by this rank's tokens.
     """
 
@@ -49,13 +52,33 @@ class MoEStats:
     tokens_per_expert: torch.Tensor
 
 
-def load_balancing_loss(router_logits_NE: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``E * sum_e (assignments_e / N) * mean_prob_e`` for router logits [N, E] (scalar)."""
+def load_balancing_loss(
+    router_logits_NE: torch.Tensor, top_k: int, *, group: Any = None
+) -> torch.Tensor:
+    """``E * sum_e (assignments_e / N) * (prob_sum_e / N)`` for router logits [N, E] (scalar).
+
+    With ``group`` (a process group whose ranks hold disjoint tokens of one batch), the
+    assignment counts and N are summed over the group (one all-reduce of E + 1 numbers, no
+    gradient: they are piecewise constant), while ``prob_sum_e`` stays this rank's own. The
+    result is this rank's share: the shares sum over the group to the loss of the concatenated
+    batch, and since that loss is linear in the per-rank probability sums, the gradient of each
+    share w.r.t. this rank's logits equals the global loss's gradient. So summing gradients over
+    the group (as data parallelism does) gives the single-process gradient exactly; the sum of
+    the shares (all-reduce) is the value to log.
+    """
     num_experts = router_logits_NE.shape[-1]
     probs_NE = torch.softmax(router_logits_NE.float(), dim=-1)
     top_i = torch.topk(probs_NE, top_k, dim=-1).indices
-    rows = max(router_logits_NE.shape[0], 1)
-    frac_E = torch.bincount(top_i.reshape(-1), minlength=num_experts).float() / rows
+    counts_E1 = torch.cat(
+        [
+            torch.bincount(top_i.reshape(-1), minlength=num_experts),
+            torch.tensor([router_logits_NE.shape[0]], device=top_i.device),
+        ]
+    ).float()
+    if group is not None:
+        dist.all_reduce(counts_E1, group=group)
+    rows = counts_E1[-1].clamp(min=1)
+    frac_E = counts_E1[:-1] / rows
     return num_experts * torch.sum(frac_E * probs_NE.sum(0) / rows)
 
 
@@ -159,7 +182,8 @@ class MoE(nn.Module):
     """Dropless Qwen3.5 MoE block. ``forward(x [B, S, H]) -> [B, S, H]``; see :class:`MoEStats`.
 
     After each forward, ``self.stats`` holds the step's router logits, aux loss and per-expert
-    token counts. ``shared_intermediate_size=0`` builds a block without a shared expert.
+    token counts; set ``aux_loss_group`` for the global-batch aux-loss share (see
+    :func:`load_balancing_loss`). ``shared_intermediate_size=0`` builds a block without a shared expert.
     ``expert_backend`` picks the routed-expert compute: ``"torch"`` (``torch._grouped_mm`` or an
     exact loop, any device) or ``"te"`` (TransformerEngine's ``GroupedLinear``, CUDA); the
     parameters and the state dict are the same for both.
@@ -197,6 +221,7 @@ class MoE(nn.Module):
             self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.stats: MoEStats | None = None
+        self.aux_loss_group: Any = None
         with torch.no_grad():
             for p in self.parameters():
                 p.normal_(0.0, init_std)
@@ -234,7 +259,7 @@ class MoE(nn.Module):
             )
         self.stats = MoEStats(
             router_logits=logits_NE,
-            aux_loss=load_balancing_loss(logits_NE, self.top_k),
+            aux_loss=load_balancing_loss(logits_NE, self.top_k, group=self.aux_loss_group),
             tokens_per_expert=torch.bincount(top_i_NK.reshape(-1), minlength=self.num_experts),
         )
         return out_NH.view_as(x_BSH)
