@@ -77,7 +77,7 @@ def test_te_backend_zero_token_expert_over_repeated_steps():
     were freed and reused (what TE's uninitialised wgrad buffer could otherwise expose)."""
     torch.manual_seed(0)
     te_moe = MoE(64, 8, 2, 32, 32, init_std=0.1, expert_backend="te").cuda().bfloat16()
-    ref = MoE(64, 8, 2, 32, 32, init_std=0.1).cuda().bfloat16()
+    ref = MoE(64, 8, 2, 32, 32, init_std=0.1, expert_backend="torch").cuda().bfloat16()
     ref.load_state_dict(te_moe.state_dict())
     with torch.no_grad():
         for moe in (te_moe, ref):

@@ -28,8 +28,10 @@ def stand_in(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(te_backend, "TE_DEVICE_TYPES", ("cuda", "cpu"))
     te_backend._shell.cache_clear()
+    te_backend.te_available.cache_clear()
     yield
     te_backend._shell.cache_clear()
+    te_backend.te_available.cache_clear()
 
 
 def _weights(seed=0, experts=4, hidden=16, inter=8):
@@ -84,6 +86,7 @@ def test_shell_owns_no_parameters_and_keeps_no_weights(stand_in):
 def test_moe_with_te_backend_equals_torch_backend(stand_in):
     """The whole block (router, idle expert 7, shared expert): outputs and every grad."""
     ref = tiny_moe()
+    ref.experts.backend = "torch"
     ours = tiny_moe()
     ours.experts.backend = "te"
     x = tokens(2, 5, seed=3)
@@ -96,6 +99,17 @@ def test_moe_with_te_backend_equals_torch_backend(stand_in):
     assert_close(x_ours.grad, x_ref.grad, name="x.grad")
     assert_grads_close(ours, ref)
     assert torch.count_nonzero(ours.experts.gate_up_proj.grad[IDLE_EXPERT]) == 0
+
+
+def test_auto_picks_te_only_where_it_runs(stand_in, monkeypatch):
+    gate_up, down = _weights()
+    x, counts = torch.randn(3, 16), torch.tensor([1, 2, 0, 0])
+    expert_swiglu(x, counts, gate_up, down, backend="auto")
+    assert te_backend._shell.cache_info().currsize == 2  # both projections went through TE
+    monkeypatch.setattr(te_backend, "TE_DEVICE_TYPES", ("cuda",))
+    te_backend._shell.cache_clear()
+    expert_swiglu(x, counts, gate_up, down, backend="auto")
+    assert te_backend._shell.cache_info().currsize == 0  # CPU rows: torch
 
 
 def test_zero_rows_take_the_exact_loop_with_zero_grads():
@@ -128,6 +142,9 @@ def test_missing_transformer_engine_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformer_engine", None)
     monkeypatch.setattr(te_backend, "TE_DEVICE_TYPES", ("cuda", "cpu"))
     te_backend._shell.cache_clear()
+    te_backend.te_available.cache_clear()
     gate_up, down = _weights()
+    assert not te_backend.te_available()  # so "auto" takes torch, and "te" raises:
+    te_backend.te_available.cache_clear()
     with pytest.raises(ImportError, match=r"moe-parallel\[gpu\]"):
         expert_swiglu(torch.randn(2, 16), torch.tensor([1, 1, 0, 0]), gate_up, down, backend="te")

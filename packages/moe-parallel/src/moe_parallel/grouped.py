@@ -21,11 +21,11 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from moe_parallel.te_backend import te_expert_swiglu
+from moe_parallel import te_backend
 
 __all__ = ["EXPERT_BACKENDS", "expert_swiglu", "grouped_mm_works", "loop_linear"]
 
-EXPERT_BACKENDS = ("torch", "te")
+EXPERT_BACKENDS = ("auto", "torch", "te")
 
 _log = logging.getLogger(__name__)
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -71,7 +71,7 @@ def expert_swiglu(
     gate_up_E2IH: torch.Tensor,
     down_EHI: torch.Tensor,
     *,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """``down_e(silu(gate_e(x)) * up_e(x))`` for every row, with row blocks grouped by expert.
 
@@ -80,8 +80,9 @@ def expert_swiglu(
         counts_E: [E] int, rows per expert (sums to M).
         gate_up_E2IH: [E, 2I, H], gate rows first then up rows (transformers' layout).
         down_EHI: [E, H, I].
-        backend: ``"torch"`` (grouped GEMM or exact loop, any device) or ``"te"``
-            (TransformerEngine's ``GroupedLinear``, CUDA; see :mod:`moe_parallel.te_backend`).
+        backend: ``"torch"`` (grouped GEMM or exact loop, any device), ``"te"``
+            (TransformerEngine's ``GroupedLinear``, CUDA; see :mod:`moe_parallel.te_backend`) or
+            ``"auto"``: ``"te"`` for CUDA rows when TransformerEngine imports, else ``"torch"``.
             A call with no rows always takes the exact loop.
 
     Returns:
@@ -94,8 +95,11 @@ def expert_swiglu(
         raise ValueError(f"x_MH must be [M, {hidden}], got {tuple(x_MH.shape)}")
     if backend not in EXPERT_BACKENDS:
         raise ValueError(f"backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        on_te_device = x_MH.device.type in te_backend.TE_DEVICE_TYPES
+        backend = "te" if on_te_device and te_backend.te_available() else "torch"
     if backend == "te" and x_MH.shape[0] > 0:
-        return te_expert_swiglu(x_MH, counts_E, gate_up_E2IH, down_EHI)
+        return te_backend.te_expert_swiglu(x_MH, counts_E, gate_up_E2IH, down_EHI)
     if grouped_mm_works(x_MH, hidden, two_i // 2):
         offs = torch.cumsum(counts_E, 0).to(torch.int32)
         gate_up_M2I = torch._grouped_mm(x_MH, gate_up_E2IH.transpose(1, 2), offs=offs)

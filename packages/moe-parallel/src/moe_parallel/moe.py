@@ -106,11 +106,11 @@ class Experts(nn.Module):
     the EP mesh and ``ep_group`` is set; rows then travel to their expert's rank and back.
     ``tp_group`` (set by ``apply_expert_parallel(..., tp_mesh=...)``) splits identical tokens
     over TP ranks before the dispatch. ``backend`` is the :func:`moe_parallel.expert_swiglu`
-    backend (``"torch"`` or ``"te"``).
+    backend (``"auto"``, ``"torch"`` or ``"te"``).
     """
 
     def __init__(
-        self, hidden_size: int, num_experts: int, intermediate_size: int, backend: str = "torch"
+        self, hidden_size: int, num_experts: int, intermediate_size: int, backend: str = "auto"
     ) -> None:
         super().__init__()
         if backend not in EXPERT_BACKENDS:
@@ -185,8 +185,8 @@ class MoE(nn.Module):
     token counts; set ``aux_loss_group`` for the global-batch aux-loss share (see
     :func:`load_balancing_loss`). ``shared_intermediate_size=0`` builds a block without a shared expert.
     ``expert_backend`` picks the routed-expert compute: ``"torch"`` (``torch._grouped_mm`` or an
-    exact loop, any device) or ``"te"`` (TransformerEngine's ``GroupedLinear``, CUDA); the
-    parameters and the state dict are the same for both.
+    exact loop, any device), ``"te"`` (TransformerEngine's ``GroupedLinear``, CUDA) or
+    ``"auto"`` (TE on CUDA when it imports, else torch); parameters and state dict are the same.
     """
 
     def __init__(
@@ -199,7 +199,7 @@ class MoE(nn.Module):
         *,
         router_aux_loss_coef: float = 0.0,
         init_std: float = 0.02,
-        expert_backend: str = "torch",
+        expert_backend: str = "auto",
     ) -> None:
         super().__init__()
         for name, value in (
@@ -227,7 +227,7 @@ class MoE(nn.Module):
                 p.normal_(0.0, init_std)
 
     @classmethod
-    def from_config(cls, config: Any, *, expert_backend: str = "torch") -> MoE:
+    def from_config(cls, config: Any, *, expert_backend: str = "auto") -> MoE:
         """Build from a transformers ``Qwen3_5MoeTextConfig`` (or a config with ``text_config``)."""
         config = getattr(config, "text_config", config)
         act = getattr(config, "hidden_act", "silu")

@@ -24,14 +24,27 @@ TransformerEngine is imported lazily: ``pip install 'moe-parallel[gpu]'`` on a C
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["te_expert_swiglu", "zero_idle_expert_grads"]
+__all__ = ["te_available", "te_expert_swiglu", "zero_idle_expert_grads"]
 
 TE_DEVICE_TYPES = ("cuda",)
+_log = logging.getLogger(__name__)
+
+
+@functools.cache
+def te_available() -> bool:
+    """Whether ``transformer_engine.pytorch`` imports (checked once; the reason logged if not)."""
+    try:
+        _grouped_linear_class()
+    except ImportError as err:
+        _log.info("expert_backend='auto' uses torch: %s", err)
+        return False
+    return True
 
 
 def _grouped_linear_class() -> type:
