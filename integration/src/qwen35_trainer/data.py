@@ -1,0 +1,120 @@
+"""Synthetic multimodal samples and the batches the trainer feeds the model.
+
+A sample is text around images: ``text``, then per image ``<vision_start>``, one
+``<image>`` placeholder per merged patch (``t*h*w / merge**2``), ``<vision_end>``, more text.
+Its pixels are [t*h*w, C*T*P*P] patch rows, as the Qwen3.5 processor emits them. Text follows a
+learnable rule (counting modulo the text vocabulary with a stride of 1, 2 or 3, random start per
+piece), so the loss of a working trainer falls. Sample ``i`` depends only on ``(seed, i)``:
+every layout sees the same global batch, and rank ``r`` of ``dp`` takes rows
+``[r*n, (r+1)*n)`` of step ``s``'s global batch of ``dp*n`` samples.
+
+Labels are the input ids with every non-text position (vision markers, image placeholders,
+padding) set to ``ignore_index``; the loss shifts them by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from qwen35_trainer.recipe import DataRecipe, ModelRecipe
+
+__all__ = ["IGNORE_INDEX", "Batch", "collate", "global_batch", "rank_batch", "sample"]
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass
+class Sample:
+    input_ids: torch.Tensor  # [S] int64
+    pixel_values: torch.Tensor  # [patches, C*T*P*P]
+    image_grid_thw: torch.Tensor  # [images, 3]
+
+
+@dataclasses.dataclass
+class Batch:
+    """Right-padded rows. ``labels`` are unshifted (HF convention)."""
+
+    input_ids: torch.Tensor  # [B, S]
+    attention_mask: torch.Tensor  # [B, S] 1 = token, 0 = padding
+    mm_token_type_ids: torch.Tensor  # [B, S] 0 text, 1 image
+    labels: torch.Tensor  # [B, S]
+    pixel_values: torch.Tensor  # [patches, C*T*P*P]
+    image_grid_thw: torch.Tensor  # [images, 3]
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
+
+def _text(n: int, vocab: int, g: torch.Generator) -> torch.Tensor:
+    start = int(torch.randint(0, vocab, (1,), generator=g))
+    stride = int(torch.randint(1, 4, (1,), generator=g))
+    return (start + stride * torch.arange(n)) % vocab
+
+
+def sample(model: ModelRecipe, data: DataRecipe, index: int) -> Sample:
+    """Sample ``index`` of the synthetic stream (deterministic in ``data.seed`` and ``index``)."""
+    vision = model.vision
+    merge = vision.get("spatial_merge_size", 2)
+    row = (vision.get("in_channels", 3) * vision.get("temporal_patch_size", 2)
+           * vision.get("patch_size", 16) ** 2)  # fmt: skip
+    text_vocab = min(model.image_token_id, model.video_token_id, model.vision_start_token_id,
+                     model.vision_end_token_id)  # fmt: skip
+    g = torch.Generator().manual_seed(data.seed * 1_000_003 + index)
+    lo, hi = data.text_tokens
+    pieces, pixels, grids = [], [], []
+    for _ in range(data.images_per_sample):
+        grid = data.image_grids[int(torch.randint(len(data.image_grids), (1,), generator=g))]
+        t, h, w = grid
+        if h % merge or w % merge:
+            raise ValueError(f"data.image_grids: h and w must be multiples of {merge}, got {grid}")
+        placeholders = torch.full((t * h * w // merge**2,), model.image_token_id)
+        pieces += [
+            _text(int(torch.randint(lo, hi + 1, (1,), generator=g)), text_vocab, g),
+            torch.tensor([model.vision_start_token_id]),
+            placeholders,
+            torch.tensor([model.vision_end_token_id]),
+        ]
+        pixels.append(torch.randn(t * h * w, row, generator=g))
+        grids.append(grid)
+    pieces.append(_text(int(torch.randint(lo, hi + 1, (1,), generator=g)), text_vocab, g))
+    return Sample(torch.cat(pieces).long(), torch.cat(pixels), torch.tensor(grids).long())
+
+
+def collate(samples: list[Sample], model: ModelRecipe, pad_token_id: int) -> Batch:
+    """Right-pad ``samples`` to the longest one."""
+    width = max(s.input_ids.numel() for s in samples)
+    ids = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
+    for b, s in enumerate(samples):
+        ids[b, : s.input_ids.numel()] = s.input_ids
+        mask[b, : s.input_ids.numel()] = 1
+    image = ids == model.image_token_id
+    text_vocab = min(model.image_token_id, model.video_token_id, model.vision_start_token_id,
+                     model.vision_end_token_id)  # fmt: skip
+    labels = ids.masked_fill((mask == 0) | (ids >= text_vocab), IGNORE_INDEX)
+    return Batch(
+        input_ids=ids,
+        attention_mask=mask,
+        mm_token_type_ids=image.int(),
+        labels=labels,
+        pixel_values=torch.cat([s.pixel_values for s in samples]),
+        image_grid_thw=torch.cat([s.image_grid_thw for s in samples]),
+    )
+
+
+def rank_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int, rank: int,
+               dp: int) -> Batch:  # fmt: skip
+    """Rank ``rank``'s rows of step ``step`` (``data.samples_per_rank`` samples)."""
+    n = data.samples_per_rank
+    first = (step * dp + rank) * n
+    return collate([sample(model, data, first + j) for j in range(n)], model, pad_token_id)
+
+
+def global_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int,
+                 dp: int) -> Batch:  # fmt: skip
+    """All ``dp`` ranks' rows of step ``step`` as one batch (the single-process reference)."""
+    n = data.samples_per_rank
+    samples = [sample(model, data, step * dp * n + j) for j in range(dp * n)]
+    return collate(samples, model, pad_token_id)

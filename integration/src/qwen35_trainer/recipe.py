@@ -1,0 +1,199 @@
+"""Recipes: YAML files that say what to train, read into frozen dataclasses.
+
+A recipe has four sections: ``model`` (the transformers config of the Qwen3.5 MoE-VLM),
+``data``, ``train`` and ``parallel``. A recipe may name a ``base`` recipe (a path relative to its
+own file); it is read first and the derived recipe's mappings are merged into it key by key
+(lists and scalars replace), so variants state only what differs. ``--set section.key=value``
+overrides apply last, with the value parsed as YAML.
+
+Nothing is dropped silently: an unknown section or key, a value of the wrong type, or a
+``model.text`` / ``model.vision`` key that the transformers config does not have raises
+``ValueError`` naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "DataRecipe",
+    "ModelRecipe",
+    "ParallelRecipe",
+    "Recipe",
+    "TrainRecipe",
+    "load_recipe",
+    "recipe_from_dict",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRecipe:
+    """``text`` / ``vision``: keyword arguments of ``Qwen3_5MoeTextConfig`` /
+    ``Qwen3_5MoeVisionConfig``; the token ids place image tokens inside the vocabulary."""
+
+    text: dict[str, Any]
+    vision: dict[str, Any]
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    expert_backend: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataRecipe:
+    """Synthetic multimodal samples: text tokens around ``images_per_sample`` images whose patch
+    grids [t, h, w] are drawn from ``image_grids``; ``samples_per_rank`` rows per rank and step."""
+
+    samples_per_rank: int = 2
+    text_tokens: tuple[int, int] = (8, 24)
+    image_grids: tuple[tuple[int, int, int], ...] = ((1, 4, 4),)
+    images_per_sample: int = 1
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRecipe:
+    """Optimisation. ``optimizer``: a :func:`safe_optim.build_optimizer` name (``adamw``,
+    ``adam``, ``sgd``, ``te_fused_adam``). ``router_aux_loss_coef`` ``None`` takes the model
+    config's value."""
+
+    steps: int = 10
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    loss_chunk_size: int | None = None
+    router_aux_loss_coef: float | None = None
+    log_every: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelRecipe:
+    """``dp``: data-parallel ranks, sharded with FSDP2 (must equal the launched world size)."""
+
+    dp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    model: ModelRecipe
+    data: DataRecipe = DataRecipe()
+    train: TrainRecipe = TrainRecipe()
+    parallel: ParallelRecipe = ParallelRecipe()
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise ValueError(f"recipe base cycle: {' -> '.join(str(p) for p in (*seen, path))}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    return _merge(_read(path.parent / base, (*seen, path)), data)
+
+
+def _override(data: dict[str, Any], item: str) -> dict[str, Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ValueError(f"an override is section.key=value, got {item!r}")
+    *parents, leaf = key.split(".")
+    nested: Any = yaml.safe_load(raw)
+    nested = {leaf: nested}
+    for parent in reversed(parents):
+        nested = {parent: nested}
+    return _merge(data, nested)
+
+
+def _coerce(where: str, hint: Any, value: Any) -> Any:
+    """``value`` checked against the annotation ``hint`` (YAML lists become tuples)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(where, option, value)
+            except ValueError:
+                continue
+        raise ValueError(f"{where}: expected {hint}, got {value!r}")
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(f"{where}[{i}]", args[0], v) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ValueError(f"{where}: expected {len(args)} items, got {value!r}")
+        return tuple(_coerce(f"{where}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str) and (type(value) is not hint):
+        raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def _section(name: str, cls: type, values: Any) -> Any:
+    if not isinstance(values, Mapping):
+        raise ValueError(f"recipe section {name!r} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown recipe key(s) {[f'{name}.{k}' for k in unknown]}; "
+                         f"{name} has {sorted(hints)}")  # fmt: skip
+    kwargs = {k: _coerce(f"{name}.{k}", hints[k], v) for k, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"recipe section {name!r}: {err}") from err
+
+
+def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
+    """A :class:`Recipe` from a mapping of sections (what a YAML recipe holds)."""
+    unknown = sorted(set(data) - set(_SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown recipe section(s) {unknown}; known: {sorted(_SECTIONS)}")
+    if "model" not in data:
+        raise ValueError("a recipe needs a 'model' section")
+    hints = typing.get_type_hints(Recipe)
+    return Recipe(**{name: _section(name, hints[name], data[name]) for name in data})
+
+
+def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
+    """Read a YAML recipe (following ``base``), apply ``section.key=value`` overrides."""
+    data = _read(Path(path))
+    for item in overrides:
+        data = _override(data, item)
+    return recipe_from_dict(data)
