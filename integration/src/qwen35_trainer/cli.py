@@ -2,7 +2,8 @@
 
 One process by default; under ``torchrun --nproc-per-node N`` (with ``parallel.dp=N``) every
 rank trains its share and rank 0 prints. Exit status 0 when every step ran and the loss stayed
-finite, 1 otherwise (the message says which step went wrong), 2 for a bad recipe or arguments.
+finite, 1 otherwise (the message says which step went wrong), 2 for a bad recipe or one that
+does not fit the launch (the message says why).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as err:
         print(f"qwen35-train: {err}", file=sys.stderr)
         return 1
+    except ValueError as err:  # a recipe that does not fit the launch or the model
+        print(f"qwen35-train: {err}", file=sys.stderr)
+        return 2
     if printing and logs:
         print(f"done: {len(logs)} steps, loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}")
     return 0

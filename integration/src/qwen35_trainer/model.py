@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from moe_parallel import MoE
 from torch import nn
 
+from moe_parallel import MoE
 from qwen35_trainer.recipe import ModelRecipe
 
 __all__ = ["build_config", "build_model", "moe_blocks", "swap_moe_blocks"]
@@ -64,20 +64,18 @@ def swap_moe_blocks(model: nn.Module, *, expert_backend: str = "auto") -> list[s
     """
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
-    config = model.config
+    blocks = [(p, m) for p, m in model.named_modules() if isinstance(m, Qwen3_5MoeSparseMoeBlock)]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no Qwen3_5MoeSparseMoeBlock to replace")
     swapped = []
-    for path, block in list(model.named_modules()):
-        if not isinstance(block, Qwen3_5MoeSparseMoeBlock):
-            continue
-        ours = MoE.from_config(config, expert_backend=expert_backend)
+    for path, block in blocks:
+        ours = MoE.from_config(model.config, expert_backend=expert_backend)
         reference = next(block.parameters())
         ours.to(device=reference.device, dtype=reference.dtype)
         ours.load_state_dict(block.state_dict(), strict=True)
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, ours)
         swapped.append(path)
-    if not swapped:
-        raise ValueError(f"{type(model).__name__} has no Qwen3_5MoeSparseMoeBlock to replace")
     return swapped
 
 

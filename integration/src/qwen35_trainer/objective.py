@@ -22,10 +22,10 @@ import dataclasses
 from typing import Any
 
 import torch
-from chunked_loss import linear_cross_entropy
-from moe_parallel import load_balancing_loss
 from torch import nn
 
+from chunked_loss import linear_cross_entropy
+from moe_parallel import load_balancing_loss
 from qwen35_trainer.data import IGNORE_INDEX, Batch
 from qwen35_trainer.model import moe_blocks
 
@@ -52,9 +52,7 @@ class TrainingObjective(nn.Module):
         if not moe_blocks(model):
             raise ValueError("TrainingObjective needs the MoE blocks swapped (swap_moe_blocks)")
 
-    def forward(
-        self, batch: Batch, num_valid_tokens: int, group: Any = None
-    ) -> LossShares:
+    def forward(self, batch: Batch, num_valid_tokens: int, group: Any = None) -> LossShares:
         """``num_valid_tokens``: valid shifted labels over all ranks of ``group`` (the DP group;
         ``None`` for one process)."""
         outputs = self.model.model(

@@ -153,7 +153,9 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
             return tuple(_coerce(f"{where}[{i}]", args[0], v) for i, v in enumerate(value))
         if len(value) != len(args):
             raise ValueError(f"{where}: expected {len(args)} items, got {value!r}")
-        return tuple(_coerce(f"{where}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
+        return tuple(
+            _coerce(f"{where}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ValueError(f"{where}: expected a mapping, got {value!r}")

@@ -22,15 +22,15 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from chunked_loss import global_num_valid_tokens
-from fsdp_compat import shard_model
-from safe_optim import build_optimizer
 from torch.distributed.device_mesh import init_device_mesh
 
+from chunked_loss import global_num_valid_tokens
+from fsdp_compat import shard_model
 from qwen35_trainer.data import rank_batch
 from qwen35_trainer.model import build_model
 from qwen35_trainer.objective import TrainingObjective, shifted_labels
 from qwen35_trainer.recipe import Recipe
+from safe_optim import build_optimizer
 
 __all__ = ["StepLog", "TrainResult", "train"]
 

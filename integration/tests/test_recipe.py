@@ -1,0 +1,65 @@
+"""Recipes: base derivation, overrides, and clear errors for anything that would be dropped."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import TINY, tiny
+
+from qwen35_trainer import build_config, load_recipe, recipe_from_dict
+
+
+def test_tiny_recipe_loads_with_types():
+    r = tiny()
+    assert r.train.steps > 0 and isinstance(r.train.lr, float)
+    assert r.data.image_grids[0] == (1, 4, 4)
+    assert r.train.betas == (0.9, 0.95)
+    config = build_config(r.model)
+    assert config.text_config.num_experts == r.model.text["num_experts"]
+    assert config.image_token_id == r.model.image_token_id
+
+
+def test_base_is_merged_key_by_key_and_overrides_apply_last(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {TINY}\nmodel:\n  text:\n    num_experts: 4\ntrain:\n  steps: 3\n")
+    r = load_recipe(child, ["train.lr=0.5", "data.image_grids=[[1, 2, 2]]"])
+    base = tiny()
+    assert r.model.text["num_experts"] == 4
+    assert r.model.text["hidden_size"] == base.model.text["hidden_size"]  # kept from the base
+    assert (r.train.steps, r.train.lr) == (3, 0.5)
+    assert r.data.image_grids == ((1, 2, 2),)
+    assert r.data.samples_per_rank == base.data.samples_per_rank
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.stpes=3"], r"unknown recipe key\(s\) \['train.stpes'\]"),
+        (["trian.steps=3"], r"unknown recipe section\(s\) \['trian'\]"),
+        (["train.steps=three"], r"train.steps: expected int, got 'three'"),
+        (["train.betas=[0.9]"], r"train.betas: expected 2 items"),
+        (["data.image_grids=[[1, 2]]"], r"data.image_grids\[0\]: expected 3 items"),
+        (["train.steps"], r"an override is section.key=value"),
+    ],
+)
+def test_bad_recipes_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(*overrides)
+
+
+def test_base_cycle_and_missing_model(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("base: b.yaml\n")
+    b.write_text("base: a.yaml\n")
+    with pytest.raises(ValueError, match="recipe base cycle"):
+        load_recipe(a)
+    with pytest.raises(ValueError, match="needs a 'model' section"):
+        recipe_from_dict({"train": {"steps": 1}})
+
+
+def test_model_fields_are_checked_against_transformers():
+    with pytest.raises(
+        ValueError, match=r"Qwen3_5MoeTextConfig has no field\(s\) \['intermediate_sise'\]"
+    ):
+        build_config(tiny("model.text.intermediate_sise=3").model)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 128\)"):
+        build_config(tiny("model.image_token_id=500").model)
