@@ -177,3 +177,48 @@ def test_transformers_qwen35_blocks_found_and_grads_equal():
     assert_grads_close(
         {n: p.grad for n, p in ckpt.named_parameters()}, _renamed(plain, ckpt), rtol=1e-4, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_first_grouped_gemm_probe_inside_a_checkpointed_block(selective):
+    """Regression: the one-off grouped-GEMM probe used to run its own backward inside the
+    checkpointed block's forward, triggering that block's recompute early (and entering its
+    recompute context twice). The probe cache is cleared and the checkpointed model runs first,
+    so the probe runs inside a checkpointed MoE block (grouped path: fp32, widths 16 and 8)."""
+    from moe_parallel.grouped import _probe
+
+    torch.manual_seed(0)
+    plain = VLM()
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing(ckpt, selective=selective)
+    x = torch.randn(2, 6, 16)
+    _probe.cache_clear()
+    y1, gx1 = _grads_of(ckpt, x)
+    assert _probe.cache_info().currsize == 1
+    y0, gx0 = _grads_of(plain, x)
+    assert_close(y1, y0, name="output")
+    assert_close(gx1, gx0, name="x.grad")
+    assert_grads_close({n: p.grad for n, p in ckpt.named_parameters()}, _renamed(plain, ckpt))
+
+
+def test_grouped_gemm_probe_is_invisible_to_dispatch_modes_and_saved_tensor_hooks():
+    """What selective checkpointing (a dispatch mode) and checkpointing (saved-tensor hooks)
+    would see of the probe: nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_parallel.grouped import _probe
+
+    ops, packed = [], []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    _probe.cache_clear()
+    with (
+        Recorder(),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t),
+    ):
+        assert _probe("cpu", torch.float32)
+    assert ops == [] and packed == []

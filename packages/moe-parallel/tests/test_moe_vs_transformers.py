@@ -7,6 +7,7 @@ import torch
 
 from dist_testkit import assert_close, assert_grads_close
 from moe_parallel import MoE, expert_swiglu, load_balancing_loss
+from moe_parallel.grouped import grouped_mm_works
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf  # noqa: E402
@@ -64,6 +65,17 @@ def test_forward_aux_and_grads_equal_transformers(inter):
     assert_close(x_ours.grad, x_hf.grad, rtol=1e-5, atol=1e-6, name="x.grad")
     top_i = torch.topk(logits, 2, dim=-1).indices.reshape(-1)
     assert torch.equal(ours.stats.tokens_per_expert, torch.bincount(top_i, minlength=8))
+
+
+def test_the_grouped_path_is_really_taken_on_cpu():
+    """The 'grouped_mm' cases above run the grouped GEMM, not the loop: the probe passes for fp32
+    on CPU (torch 2.15), and the path survives an expanded (stride-0) output gradient."""
+    assert grouped_mm_works(torch.ones(1, 16), 16, 8)
+    assert not grouped_mm_works(torch.ones(1, 16), 16, 5)  # 5 * 4 B is not a multiple of 16
+    gate_up = torch.randn(3, 16, 16, requires_grad=True)
+    down = torch.randn(3, 16, 8, requires_grad=True)
+    expert_swiglu(torch.randn(4, 16), torch.tensor([1, 0, 3]), gate_up, down).sum().backward()
+    assert torch.count_nonzero(gate_up.grad[1]) == 0 and torch.count_nonzero(gate_up.grad[2]) > 0
 
 
 def test_aux_loss_matches_hf_function_directly():

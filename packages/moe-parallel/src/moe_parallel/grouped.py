@@ -20,6 +20,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from moe_parallel import te_backend
 
@@ -33,15 +34,44 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @functools.cache
 def _probe(device_type: str, dtype: torch.dtype) -> bool:
+    """Run a tiny grouped GEMM forward and backward, isolated from the caller's autograd state.
+
+    It first runs inside a model's forward, possibly inside an activation-checkpointed block.
+    Its saved tensors must not reach the checkpoint's pack hooks (its backward would unpack them
+    and trigger the block's recompute in the middle of the forward, then again in the real
+    backward), and its ops must not reach a selective-checkpoint dispatch mode (they would be
+    counted among the block's ops, which the recompute would not replay). Hence pass-through
+    saved-tensor hooks and no active dispatch modes.
+    """
     if not hasattr(torch, "_grouped_mm"):
         return False
+    passthrough = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with _disable_current_modes(), passthrough, torch.enable_grad():
+        return _probe_run(device_type, dtype)
+
+
+def grouped_linear(x_MI: torch.Tensor, offs: torch.Tensor, w_EOI: torch.Tensor) -> torch.Tensor:
+    """[M, O]: row block ``e`` (ending at ``offs[e]``) times ``w_EOI[e]^T``, one grouped GEMM.
+
+    The CPU kernel's backward rejects a stride-0 (expanded) output gradient, which is what e.g.
+    ``y.sum().backward()`` sends; a hook makes the gradient contiguous (free when it is).
+    """
+    y_MO = torch._grouped_mm(x_MI, w_EOI.transpose(1, 2), offs=offs)
+    if y_MO.requires_grad:
+        y_MO.register_hook(torch.Tensor.contiguous)
+    return y_MO
+
+
+def _probe_run(device_type: str, dtype: torch.dtype) -> bool:
     try:
         x = torch.ones(3, 8, device=device_type, dtype=dtype, requires_grad=True)
         w = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
         offs = torch.tensor([1, 3], device=device_type, dtype=torch.int32)
-        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        y = grouped_linear(x, offs, w)
         gx, gw = torch.autograd.grad(y.sum(), (x, w))
-        return bool(torch.all(gw[0][0] == 1)) and bool(torch.all(gx == 16))
+        # all-ones: d(sum)/dx = 8 (output width); expert e's weight grad = its row count (1, 2)
+        rows_ok = bool(torch.all(gw[0] == 1)) and bool(torch.all(gw[1] == 2))
+        return rows_ok and bool(torch.all(gx == 8)) and bool(torch.all(y == 8))
     except (RuntimeError, NotImplementedError):
         return False
 
@@ -102,9 +132,8 @@ def expert_swiglu(
         return te_backend.te_expert_swiglu(x_MH, counts_E, gate_up_E2IH, down_EHI)
     if grouped_mm_works(x_MH, hidden, two_i // 2):
         offs = torch.cumsum(counts_E, 0).to(torch.int32)
-        gate_up_M2I = torch._grouped_mm(x_MH, gate_up_E2IH.transpose(1, 2), offs=offs)
-        gate, up = gate_up_M2I.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, down_EHI.transpose(1, 2), offs=offs)
+        gate, up = grouped_linear(x_MH, offs, gate_up_E2IH).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, offs, down_EHI)
     key = (x_MH.device.type, x_MH.dtype)
     if x_MH.shape[0] > 0 and key not in _warned:
         _warned.add(key)
