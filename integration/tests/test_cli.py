@@ -36,9 +36,11 @@ def test_bad_recipe_exits_2_with_the_reason(capsys, tmp_path):
     assert "No such file" in capsys.readouterr().err
 
 
-def test_dp_mismatch_with_the_world_is_refused(capsys):
+def test_layouts_that_do_not_fit_are_refused(capsys):
     assert main([str(TINY), "--set", "parallel.dp=2"]) == 2
     assert "parallel.dp=2 must equal the launched world size 1" in capsys.readouterr().err
+    assert main([str(TINY), "--set", "parallel.ep=3"]) == 2
+    assert "parallel.ep=3 must divide parallel.dp=1" in capsys.readouterr().err
 
 
 def test_torchrun_two_ranks():

@@ -63,7 +63,8 @@ class DataRecipe:
 class TrainRecipe:
     """Optimisation. ``optimizer``: a :func:`safe_optim.build_optimizer` name (``adamw``,
     ``adam``, ``sgd``, ``te_fused_adam``). ``router_aux_loss_coef`` ``None`` takes the model
-    config's value."""
+    config's value. ``activation_checkpointing``: recompute decoder (and trainable vision)
+    blocks in backward (:func:`moe_parallel.apply_activation_checkpointing`)."""
 
     steps: int = 10
     optimizer: str = "adamw"
@@ -74,14 +75,18 @@ class TrainRecipe:
     seed: int = 0
     loss_chunk_size: int | None = None
     router_aux_loss_coef: float | None = None
+    activation_checkpointing: bool = False
     log_every: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelRecipe:
-    """``dp``: data-parallel ranks, sharded with FSDP2 (must equal the launched world size)."""
+    """``dp``: data-parallel ranks, sharded with FSDP2 (must equal the launched world size).
+    ``ep``: expert-parallel ranks (divides ``dp`` and every MoE's expert count); the EP ranks
+    are data-parallel ranks too, each with its own rows."""
 
     dp: int = 1
+    ep: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +167,7 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
         return dict(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if hint in (int, float, str) and (type(value) is not hint):
+    if hint in (bool, int, float, str) and (type(value) is not hint):
         raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
     return value
 
