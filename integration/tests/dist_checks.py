@@ -23,13 +23,11 @@ def layout_recipe(world: int, *overrides: str):
     )
 
 
-def check_training_equals_one_process(overrides, reference_logs, reference_state) -> None:
-    """The layout ``overrides`` over every rank: each step's global loss, CE, aux loss, gradient
-    norm and token count, and the parameters after the last step, equal one process on the
-    global batch."""
-    result = train(layout_recipe(dist.get_world_size(), *overrides))
-    for ours, ref in zip(result.logs, reference_logs, strict=True):
-        assert ours.tokens == ref.tokens, (ours, ref)
+def assert_same_run(logs, reference_logs, state, reference_state) -> None:
+    """Per step: global loss, CE, aux loss, gradient norm (rel 1e-5) and token count; then the
+    final parameters (gathered when sharded)."""
+    for ours, ref in zip(logs, reference_logs, strict=True):
+        assert (ours.step, ours.tokens) == (ref.step, ref.tokens), (ours, ref)
         for field in ("loss", "ce", "aux", "grad_norm"):
             assert abs(getattr(ours, field) - getattr(ref, field)) <= 1e-5 * (
                 1 + abs(getattr(ref, field))
@@ -38,7 +36,24 @@ def check_training_equals_one_process(overrides, reference_logs, reference_state
     # that element by up to a fraction of lr; a wrong gradient scale (which AdamW would hide)
     # is caught by the per-step gradient norms above.
     lr = layout_recipe(1).train.lr
-    state = result.objective.model.state_dict()
     assert list(state) == list(reference_state)
     for name, value in state.items():
         assert_close(full(value), reference_state[name], rtol=1e-4, atol=1e-2 * lr, name=name)
+
+
+def check_training_equals_one_process(overrides, reference_logs, reference_state) -> None:
+    """The layout ``overrides`` over every rank equals one process on the global batch."""
+    result = train(layout_recipe(dist.get_world_size(), *overrides))
+    state = result.objective.model.state_dict()
+    assert_same_run(result.logs, reference_logs, state, reference_state)
+
+
+def check_resume_equals_uninterrupted(overrides, path, reference_logs, reference_state) -> None:
+    """Stop after 1 step (checkpoint), start again: steps 2..3 and the final parameters equal
+    the uninterrupted one-process run."""
+    world = dist.get_world_size()
+    first = train(layout_recipe(world, *overrides, "train.steps=1", f"train.checkpoint_dir={path}"))
+    assert [log.step for log in first.logs] == [1]
+    result = train(layout_recipe(world, *overrides, f"train.checkpoint_dir={path}"))
+    state = result.objective.model.state_dict()
+    assert_same_run(result.logs, reference_logs[1:], state, reference_state)

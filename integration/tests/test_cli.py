@@ -26,7 +26,7 @@ def test_tiny_recipe_trains_and_the_loss_falls(capsys):
     assert len(losses) == 60, out
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.5 * first, (first, last)
-    assert out.strip().splitlines()[-1].startswith("done: 60 steps")
+    assert out.strip().splitlines()[-1].startswith("done: steps 1..60 of 60")
 
 
 def test_bad_recipe_exits_2_with_the_reason(capsys, tmp_path):

@@ -5,13 +5,23 @@ each rank of a launch trains its share under a layout and compares with it, one 
 world size for all layouts. At world 4 each rank holds one row and the smallest parameters
 leave some ranks with empty local shards. Layouts: FSDP2 data parallelism; EP 2 (experts split
 over pairs of ranks, dense parameters over all, experts FSDP-sharded over the rest); EP = world
-with activation checkpointing of decoder and vision blocks.
+with activation checkpointing of decoder and vision blocks. Resume: a run stopped after one
+step (DCP checkpoint) and started again continues exactly, under the same layout and in one
+process.
 """
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
-from dist_checks import STEPS, check_training_equals_one_process, layout_recipe
+from dist_checks import (
+    STEPS,
+    assert_same_run,
+    check_resume_equals_uninterrupted,
+    check_training_equals_one_process,
+    layout_recipe,
+)
 
 from dist_testkit import named_check, run_checks
 from qwen35_trainer import train
@@ -32,7 +42,7 @@ def reference():
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def launch(request, reference):
+def launch(request, reference, tmp_path_factory):
     world = request.param
     checks = {
         name: named_check(
@@ -43,10 +53,25 @@ def launch(request, reference):
         )
         for name, overrides in LAYOUTS.items()
     }
-    return checks, run_checks(list(checks.values()), world, timeout=300)
+    saved = tmp_path_factory.mktemp(f"ckpt_world{world}")
+    checks["resume"] = named_check(
+        f"resume@{world}", check_resume_equals_uninterrupted, LAYOUTS["ep2"], str(saved), *reference
+    )
+    return checks, run_checks(list(checks.values()), world, timeout=300), saved
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "resume"])
 def test_layout_equals_one_process(launch, layout):
-    checks, report = launch
+    checks, report, _ = launch
     report.assert_passed(checks[layout])
+
+
+def test_checkpoint_of_a_sharded_run_resumes_in_one_process(launch, reference, tmp_path):
+    """The step-1 checkpoint written by the EP 2 + FSDP2 ranks, resumed by ONE process (DCP
+    re-shards on load): steps 2..3 and the final parameters equal the uninterrupted run."""
+    checks, report, saved = launch
+    report.assert_passed(checks["resume"])
+    shutil.copytree(saved / "step_000001", tmp_path / "step_000001")
+    result = train(layout_recipe(1, f"train.checkpoint_dir={tmp_path}"))
+    state = result.objective.model.state_dict()
+    assert_same_run(result.logs, reference[0][1:], state, reference[1])

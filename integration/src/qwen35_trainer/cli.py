@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qwen35-train: {err}", file=sys.stderr)
         return 2
     if printing and logs:
-        print(f"done: {len(logs)} steps, loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}")
+        print(f"done: steps {logs[0].step}..{logs[-1].step} of {steps}, "
+              f"loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}")  # fmt: skip
+    elif printing:
+        print(f"done: nothing to run, the newest checkpoint already has {steps} steps")
     return 0
 
 

@@ -64,7 +64,9 @@ class TrainRecipe:
     """Optimisation. ``optimizer``: a :func:`safe_optim.build_optimizer` name (``adamw``,
     ``adam``, ``sgd``, ``te_fused_adam``). ``router_aux_loss_coef`` ``None`` takes the model
     config's value. ``activation_checkpointing``: recompute decoder (and trainable vision)
-    blocks in backward (:func:`moe_parallel.apply_activation_checkpointing`)."""
+    blocks in backward (:func:`moe_parallel.apply_activation_checkpointing`).
+    ``checkpoint_dir``: save there every ``checkpoint_every`` steps (0: only after the last) and
+    resume from its newest complete checkpoint (:mod:`qwen35_trainer.checkpoint`)."""
 
     steps: int = 10
     optimizer: str = "adamw"
@@ -76,6 +78,8 @@ class TrainRecipe:
     loss_chunk_size: int | None = None
     router_aux_loss_coef: float | None = None
     activation_checkpointing: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
     log_every: int = 1
 
 

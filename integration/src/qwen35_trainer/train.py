@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from chunked_loss import global_num_valid_tokens
+from qwen35_trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from qwen35_trainer.data import rank_batch
 from qwen35_trainer.grad_norm import clip_grad_norm
 from qwen35_trainer.model import build_model
@@ -96,12 +97,13 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
         betas=recipe.train.betas,
         weight_decay=recipe.train.weight_decay,
     )
+    start = _resume(recipe, objective, optimizer, layout)
     text = model.config.text_config
     coef = recipe.train.router_aux_loss_coef
     coef = text.router_aux_loss_coef if coef is None else coef
     logs = []
-    for step in range(recipe.train.steps):
-        start = time.perf_counter()
+    for step in range(start, recipe.train.steps):
+        began = time.perf_counter()
         batch = rank_batch(recipe.model, recipe.data, text.pad_token_id, step, layout.data_rank,
                            dp).to(device)  # fmt: skip
         tokens = global_num_valid_tokens(shifted_labels(batch), group=layout.data_group)
@@ -116,8 +118,33 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
             dist.all_reduce(totals, group=layout.data_group)
         ce, aux = totals.tolist()
         log = StepLog(step + 1, ce + coef * aux, ce, aux, grad_norm, int(tokens),
-                      time.perf_counter() - start)  # fmt: skip
+                      time.perf_counter() - began)  # fmt: skip
         logs.append(log)
         if on_step is not None:
             on_step(log)
+        every = recipe.train.checkpoint_every
+        if recipe.train.checkpoint_dir and (
+            step + 1 == recipe.train.steps or (every and (step + 1) % every == 0)
+        ):
+            save_checkpoint(recipe.train.checkpoint_dir, step + 1, objective, optimizer)
     return TrainResult(logs, objective)
+
+
+def _resume(recipe: Recipe, objective, optimizer, layout) -> int:
+    """Steps already done: 0, or those of the newest checkpoint (the same on every rank)."""
+    if not recipe.train.checkpoint_dir:
+        return 0
+    found = latest_checkpoint(recipe.train.checkpoint_dir)
+    step = -1 if found is None else found[1]
+    if layout.data_group is not None:
+        seen = torch.tensor([step, -step])
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=layout.data_group)
+        if seen[0] != -seen[1]:
+            raise ValueError(
+                f"ranks see different newest checkpoints under {recipe.train.checkpoint_dir} "
+                f"(steps {int(-seen[1])}..{int(seen[0])}, -1 = none): it must be one shared "
+                "directory"
+            )
+    if found is None:
+        return 0
+    return load_checkpoint(found[0], objective, optimizer)
