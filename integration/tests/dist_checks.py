@@ -19,6 +19,8 @@ def layout_recipe(world: int, *overrides: str):
         f"data.samples_per_rank={GLOBAL_SAMPLES // world}",
         f"train.steps={STEPS}",
         "model.expert_backend=torch",
+        "data.packing=false",
+        "train.eps=0.001",
         *overrides,
     )
 
@@ -32,13 +34,14 @@ def assert_same_run(logs, reference_logs, state, reference_state) -> None:
             assert abs(getattr(ours, field) - getattr(ref, field)) <= 1e-5 * (
                 1 + abs(getattr(ref, field))
             ), (field, ours, ref)
-    # AdamW normalises each element's update, so fp32 round-off in a near-zero gradient moves
-    # that element by up to a fraction of lr; a wrong gradient scale (which AdamW would hide)
-    # is caught by the per-step gradient norms above.
+    # AdamW divides by sqrt(v) + eps: with the default eps, fp32 round-off in a near-zero
+    # gradient can move that element by up to lr per step, so these runs use eps = 1e-3 (a
+    # smooth update); a wrong gradient scale, which Adam partly hides, is caught by the per-step
+    # gradient norms above.
     lr = layout_recipe(1).train.lr
     assert list(state) == list(reference_state)
     for name, value in state.items():
-        assert_close(full(value), reference_state[name], rtol=1e-4, atol=1e-2 * lr, name=name)
+        assert_close(full(value), reference_state[name], rtol=1e-4, atol=1e-3 * lr, name=name)
 
 
 def check_training_equals_one_process(overrides, reference_logs, reference_state) -> None:

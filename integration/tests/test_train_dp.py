@@ -5,7 +5,8 @@ each rank of a launch trains its share under a layout and compares with it, one 
 world size for all layouts. At world 4 each rank holds one row and the smallest parameters
 leave some ranks with empty local shards. Layouts: FSDP2 data parallelism; EP 2 (experts split
 over pairs of ranks, dense parameters over all, experts FSDP-sharded over the rest); EP = world
-with activation checkpointing of decoder and vision blocks. Resume: a run stopped after one
+with activation checkpointing of decoder and vision blocks and packed rows (the reference is
+right-padded). Resume: a run stopped after one
 step (DCP checkpoint) and started again continues exactly, under the same layout and in one
 process.
 """
@@ -29,7 +30,11 @@ from qwen35_trainer import train
 LAYOUTS = {
     "fsdp": (),
     "ep2": ("parallel.ep=2",),
-    "ep_all_ac": ("parallel.ep={world}", "train.activation_checkpointing=true"),
+    "ep_all_ac_packed": (
+        "parallel.ep={world}",
+        "train.activation_checkpointing=true",
+        "data.packing=true",
+    ),
 }
 
 

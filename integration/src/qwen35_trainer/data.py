@@ -20,7 +20,17 @@ import torch
 
 from qwen35_trainer.recipe import DataRecipe, ModelRecipe
 
-__all__ = ["IGNORE_INDEX", "Batch", "collate", "global_batch", "rank_batch", "sample"]
+__all__ = [
+    "IGNORE_INDEX",
+    "Batch",
+    "Sample",
+    "collate",
+    "global_batch",
+    "rank_batch",
+    "rank_samples",
+    "sample",
+    "text_vocab",
+]
 
 IGNORE_INDEX = -100
 
@@ -47,6 +57,12 @@ class Batch:
         return Batch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
 
+def text_vocab(model: ModelRecipe) -> int:
+    """Ids below the first special (vision) token id are text."""
+    return min(model.image_token_id, model.video_token_id, model.vision_start_token_id,
+               model.vision_end_token_id)  # fmt: skip
+
+
 def _text(n: int, vocab: int, g: torch.Generator) -> torch.Tensor:
     start = int(torch.randint(0, vocab, (1,), generator=g))
     stride = int(torch.randint(1, 4, (1,), generator=g))
@@ -59,8 +75,7 @@ def sample(model: ModelRecipe, data: DataRecipe, index: int) -> Sample:
     merge = vision.get("spatial_merge_size", 2)
     row = (vision.get("in_channels", 3) * vision.get("temporal_patch_size", 2)
            * vision.get("patch_size", 16) ** 2)  # fmt: skip
-    text_vocab = min(model.image_token_id, model.video_token_id, model.vision_start_token_id,
-                     model.vision_end_token_id)  # fmt: skip
+    vocab = text_vocab(model)
     g = torch.Generator().manual_seed(data.seed * 1_000_003 + index)
     lo, hi = data.text_tokens
     pieces, pixels, grids = [], [], []
@@ -71,14 +86,14 @@ def sample(model: ModelRecipe, data: DataRecipe, index: int) -> Sample:
             raise ValueError(f"data.image_grids: h and w must be multiples of {merge}, got {grid}")
         placeholders = torch.full((t * h * w // merge**2,), model.image_token_id)
         pieces += [
-            _text(int(torch.randint(lo, hi + 1, (1,), generator=g)), text_vocab, g),
+            _text(int(torch.randint(lo, hi + 1, (1,), generator=g)), vocab, g),
             torch.tensor([model.vision_start_token_id]),
             placeholders,
             torch.tensor([model.vision_end_token_id]),
         ]
         pixels.append(torch.randn(t * h * w, row, generator=g))
         grids.append(grid)
-    pieces.append(_text(int(torch.randint(lo, hi + 1, (1,), generator=g)), text_vocab, g))
+    pieces.append(_text(int(torch.randint(lo, hi + 1, (1,), generator=g)), vocab, g))
     return Sample(torch.cat(pieces).long(), torch.cat(pixels), torch.tensor(grids).long())
 
 
@@ -91,9 +106,7 @@ def collate(samples: list[Sample], model: ModelRecipe, pad_token_id: int) -> Bat
         ids[b, : s.input_ids.numel()] = s.input_ids
         mask[b, : s.input_ids.numel()] = 1
     image = ids == model.image_token_id
-    text_vocab = min(model.image_token_id, model.video_token_id, model.vision_start_token_id,
-                     model.vision_end_token_id)  # fmt: skip
-    labels = ids.masked_fill((mask == 0) | (ids >= text_vocab), IGNORE_INDEX)
+    labels = ids.masked_fill((mask == 0) | (ids >= text_vocab(model)), IGNORE_INDEX)
     return Batch(
         input_ids=ids,
         attention_mask=mask,
@@ -104,12 +117,18 @@ def collate(samples: list[Sample], model: ModelRecipe, pad_token_id: int) -> Bat
     )
 
 
-def rank_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int, rank: int,
-               dp: int) -> Batch:  # fmt: skip
-    """Rank ``rank``'s rows of step ``step`` (``data.samples_per_rank`` samples)."""
+def rank_samples(model: ModelRecipe, data: DataRecipe, step: int, rank: int,
+                 dp: int) -> list[Sample]:  # fmt: skip
+    """Rank ``rank``'s ``data.samples_per_rank`` samples of step ``step``."""
     n = data.samples_per_rank
     first = (step * dp + rank) * n
-    return collate([sample(model, data, first + j) for j in range(n)], model, pad_token_id)
+    return [sample(model, data, first + j) for j in range(n)]
+
+
+def rank_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int, rank: int,
+               dp: int) -> Batch:  # fmt: skip
+    """Rank ``rank``'s rows of step ``step``, right-padded."""
+    return collate(rank_samples(model, data, step, rank, dp), model, pad_token_id)
 
 
 def global_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int,

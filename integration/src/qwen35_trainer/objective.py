@@ -52,17 +52,28 @@ class TrainingObjective(nn.Module):
         if not moe_blocks(model):
             raise ValueError("TrainingObjective needs the MoE blocks swapped (swap_moe_blocks)")
 
-    def forward(self, batch: Batch, num_valid_tokens: int, group: Any = None) -> LossShares:
+    def forward(
+        self, batch: Batch, num_valid_tokens: int, group: Any = None, packed: Any = None
+    ) -> LossShares:
         """``num_valid_tokens``: valid shifted labels over all ranks of ``group`` (the DP group;
-        ``None`` for one process)."""
-        outputs = self.model.model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            mm_token_type_ids=batch.mm_token_type_ids,
-            pixel_values=batch.pixel_values,
-            image_grid_thw=batch.image_grid_thw,
-            use_cache=False,
-        )
+        ``None`` for one process). ``packed``: ``(position_ids, layout)`` of a packed row
+        (:mod:`qwen35_trainer.packing`; the model must have been adapted with
+        ``enable_packing``), ``None`` for right-padded rows."""
+        inputs = {
+            "input_ids": batch.input_ids,
+            "mm_token_type_ids": batch.mm_token_type_ids,
+            "pixel_values": batch.pixel_values,
+            "image_grid_thw": batch.image_grid_thw,
+            "use_cache": False,
+        }
+        if packed is None:
+            inputs["attention_mask"] = batch.attention_mask
+        else:
+            position_ids, layout = packed
+            # documents are kept apart by the layout, not by masks: no [S, S] mask is built
+            inputs["attention_mask"] = {"full_attention": None, "linear_attention": None}
+            inputs.update(position_ids=position_ids, cp_layout=layout, cp_group=None)
+        outputs = self.model.model(**inputs)
         hidden_BSH = outputs.last_hidden_state
         head = self.model.lm_head
         ce = linear_cross_entropy(

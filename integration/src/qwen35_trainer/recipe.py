@@ -50,9 +50,12 @@ class ModelRecipe:
 @dataclasses.dataclass(frozen=True)
 class DataRecipe:
     """Synthetic multimodal samples: text tokens around ``images_per_sample`` images whose patch
-    grids [t, h, w] are drawn from ``image_grids``; ``samples_per_rank`` rows per rank and step."""
+    grids [t, h, w] are drawn from ``image_grids``; ``samples_per_rank`` per rank and step, as
+    right-padded rows, or with ``packing`` as ONE row of concatenated documents kept apart in
+    every layer (:mod:`qwen35_trainer.packing`)."""
 
     samples_per_rank: int = 2
+    packing: bool = False
     text_tokens: tuple[int, int] = (8, 24)
     image_grids: tuple[tuple[int, int, int], ...] = ((1, 4, 4),)
     images_per_sample: int = 1
@@ -61,8 +64,8 @@ class DataRecipe:
 
 @dataclasses.dataclass(frozen=True)
 class TrainRecipe:
-    """Optimisation. ``optimizer``: a :func:`safe_optim.build_optimizer` name (``adamw``,
-    ``adam``, ``sgd``, ``te_fused_adam``). ``router_aux_loss_coef`` ``None`` takes the model
+    """Optimisation. ``optimizer``: an Adam-family :func:`safe_optim.build_optimizer` name
+    (``adamw``, ``adam``, ``te_fused_adam``), given ``lr``, ``betas``, ``eps``, ``weight_decay``. ``router_aux_loss_coef`` ``None`` takes the model
     config's value. ``activation_checkpointing``: recompute decoder (and trainable vision)
     blocks in backward (:func:`moe_parallel.apply_activation_checkpointing`).
     ``checkpoint_dir``: save there every ``checkpoint_every`` steps (0: only after the last) and
@@ -73,6 +76,7 @@ class TrainRecipe:
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 0
     loss_chunk_size: int | None = None

@@ -26,10 +26,11 @@ import torch.distributed as dist
 
 from chunked_loss import global_num_valid_tokens
 from qwen35_trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from qwen35_trainer.data import rank_batch
+from qwen35_trainer.data import collate, rank_samples
 from qwen35_trainer.grad_norm import clip_grad_norm
 from qwen35_trainer.model import build_model
 from qwen35_trainer.objective import TrainingObjective, shifted_labels
+from qwen35_trainer.packing import enable_packing, pack, single_rank_layout
 from qwen35_trainer.parallelize import check_layout, parallelize
 from qwen35_trainer.recipe import Recipe
 from safe_optim import build_optimizer
@@ -83,6 +84,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
     _init_distributed()
     device = _device()
     model = build_model(recipe.model, seed=recipe.train.seed).to(device)
+    if recipe.data.packing:
+        enable_packing(model)
     objective = TrainingObjective(model, loss_chunk_size=recipe.train.loss_chunk_size)
     layout = parallelize(
         objective,
@@ -95,19 +98,27 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
         recipe.train.optimizer,
         lr=recipe.train.lr,
         betas=recipe.train.betas,
+        eps=recipe.train.eps,
         weight_decay=recipe.train.weight_decay,
     )
     start = _resume(recipe, objective, optimizer, layout)
     text = model.config.text_config
+    rope_index = model.model.get_rope_index
     coef = recipe.train.router_aux_loss_coef
     coef = text.router_aux_loss_coef if coef is None else coef
     logs = []
     for step in range(start, recipe.train.steps):
         began = time.perf_counter()
-        batch = rank_batch(recipe.model, recipe.data, text.pad_token_id, step, layout.data_rank,
-                           dp).to(device)  # fmt: skip
+        samples = rank_samples(recipe.model, recipe.data, step, layout.data_rank, dp)
+        packed = None
+        if recipe.data.packing:
+            row = pack(samples, recipe.model, rope_index, text.pad_token_id)
+            batch = row.batch.to(device)
+            packed = (row.position_ids.to(device), single_rank_layout(row))
+        else:
+            batch = collate(samples, recipe.model, text.pad_token_id).to(device)
         tokens = global_num_valid_tokens(shifted_labels(batch), group=layout.data_group)
-        shares = objective(batch, tokens, layout.data_group)
+        shares = objective(batch, tokens, layout.data_group, packed)
         (dp * (shares.ce + coef * shares.aux)).backward()
         layout.after_backward(objective)
         grad_norm = clip_grad_norm(objective.parameters(), recipe.train.grad_clip)
