@@ -45,8 +45,8 @@ def test_objective_equals_transformers_loss_and_grads(chunk):
         output_router_logits=True,
     )
     objective = TrainingObjective(ours, loss_chunk_size=chunk)
-    tokens = int((shifted_labels(batch) != -100).sum())
-    shares = objective(batch, tokens)
+    shares = objective(batch)
+    assert shares.tokens == int((shifted_labels(batch) != -100).sum())
     coef = hf.config.text_config.router_aux_loss_coef
     assert_close(shares.aux, out.aux_loss, rtol=1e-6, atol=1e-7, name="aux loss")
     assert_close(shares.ce + coef * shares.aux, out.loss, rtol=1e-6, atol=1e-6, name="loss")

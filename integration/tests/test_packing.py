@@ -17,7 +17,7 @@ from dist_testkit import assert_close, assert_grads_close
 from qwen35_trainer import TrainingObjective, build_model
 from qwen35_trainer.data import IGNORE_INDEX, collate, rank_samples
 from qwen35_trainer.objective import shifted_labels
-from qwen35_trainer.packing import enable_packing, pack, single_rank_layout
+from qwen35_trainer.packing import PackedInputs, enable_packing, pack, row_layout
 
 
 def _setup():
@@ -39,10 +39,9 @@ def test_packed_row_equals_padded_rows_values_and_grads():
     reference = TrainingObjective(copy.deepcopy(model))
     enable_packing(model)
     packed = TrainingObjective(model)
-    tokens = int((shifted_labels(padded) != IGNORE_INDEX).sum())
-    assert int((shifted_labels(row.batch) != IGNORE_INDEX).sum()) == tokens
-    ref = reference(padded, tokens)
-    ours = packed(row.batch, tokens, packed=(row.position_ids, single_rank_layout(row)))
+    ref = reference(padded)
+    ours = packed(row.batch, packed=PackedInputs(row.position_ids, row_layout(row)))
+    assert ours.tokens == ref.tokens == int((shifted_labels(padded) != IGNORE_INDEX).sum())
     assert_close(ours.ce, ref.ce, rtol=1e-5, atol=1e-6, name="ce")
     assert_close(ours.aux, ref.aux, rtol=1e-6, atol=1e-7, name="aux")
     _loss(ours).backward()
@@ -55,9 +54,8 @@ def test_without_the_adaptation_documents_leak():
     GDN state carried across documents) give a different loss."""
     model, _, padded, row = _setup()
     objective = TrainingObjective(model)
-    tokens = int((shifted_labels(padded) != IGNORE_INDEX).sum())
-    ref = objective(padded, tokens).ce
-    leaked = objective(row.batch, tokens).ce  # plain causal row, no packing adaptation
+    ref = objective(padded).ce
+    leaked = objective(row.batch).ce  # plain causal row, no packing adaptation
     assert abs(leaked.item() - ref.item()) > 1e-3, (leaked.item(), ref.item())
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from helpers import TINY, tiny
 
-from qwen35_trainer import build_config, load_recipe, recipe_from_dict
+from qwen35_trainer import ParallelRecipe, build_config, load_recipe, recipe_from_dict
+from qwen35_trainer.parallelize import check_layout
 
 
 def test_tiny_recipe_loads_with_types():
@@ -63,3 +64,19 @@ def test_model_fields_are_checked_against_transformers():
         build_config(tiny("model.text.intermediate_sise=3").model)
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 128\)"):
         build_config(tiny("model.image_token_id=500").model)
+
+
+@pytest.mark.parametrize(
+    ("dp", "cp", "ep", "packing", "world", "message"),
+    [
+        (2, 2, 1, True, 2, r"parallel.dp=2 x parallel.cp=2 must equal the launched world size 2"),
+        (4, 1, 3, False, 4, r"parallel.ep=3 must divide parallel.dp=4"),
+        (1, 2, 1, False, 2, r"parallel.cp > 1 needs data.packing"),
+        (2, 2, 2, True, 4, r"parallel.cp > 1 together with parallel.ep > 1 is not wired yet"),
+    ],
+)
+def test_layouts_that_cannot_run_are_refused_with_the_reason(dp, cp, ep, packing, world, message):
+    spec = ParallelRecipe(dp=dp, cp=cp, ep=ep)
+    with pytest.raises(ValueError, match=message):
+        check_layout(spec, world, packing=packing)
+    check_layout(ParallelRecipe(dp=2, cp=2), 4, packing=True)  # a layout that fits

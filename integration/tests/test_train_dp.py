@@ -6,7 +6,8 @@ world size for all layouts. At world 4 each rank holds one row and the smallest 
 leave some ranks with empty local shards. Layouts: FSDP2 data parallelism; EP 2 (experts split
 over pairs of ranks, dense parameters over all, experts FSDP-sharded over the rest); EP = world
 with activation checkpointing of decoder and vision blocks and packed rows (the reference is
-right-padded). Resume: a run stopped after one
+right-padded); CP = world (one packed row split over every rank by its balanced document
+layout) with activation checkpointing; DP x CP 2. Resume: a run stopped after one
 step (DCP checkpoint) and started again continues exactly, under the same layout and in one
 process.
 """
@@ -35,6 +36,19 @@ LAYOUTS = {
         "train.activation_checkpointing=true",
         "data.packing=true",
     ),
+    "cp_all_ac": (
+        "parallel.dp=1",
+        "parallel.cp={world}",
+        "data.samples_per_rank=4",
+        "data.packing=true",
+        "train.activation_checkpointing=true",
+    ),
+    "dp_x_cp2": (
+        "parallel.dp={half}",
+        "parallel.cp=2",
+        "data.samples_per_rank={rows}",
+        "data.packing=true",
+    ),
 }
 
 
@@ -53,7 +67,7 @@ def launch(request, reference, tmp_path_factory):
         name: named_check(
             f"{name}@{world}",
             check_training_equals_one_process,
-            tuple(o.format(world=world) for o in overrides),
+            tuple(o.format(world=world, half=world // 2, rows=8 // world) for o in overrides),
             *reference,
         )
         for name, overrides in LAYOUTS.items()

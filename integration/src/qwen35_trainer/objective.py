@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from chunked_loss import linear_cross_entropy
+from chunked_loss import global_num_valid_tokens, linear_cross_entropy
 from moe_parallel import load_balancing_loss
 from qwen35_trainer.data import IGNORE_INDEX, Batch
 from qwen35_trainer.model import moe_blocks
+from qwen35_trainer.packing import PackedInputs, packed_hidden_states
 
 __all__ = ["LossShares", "TrainingObjective"]
 
@@ -39,6 +40,7 @@ class LossShares:
 
     ce: torch.Tensor
     aux: torch.Tensor
+    tokens: int  # valid labels in the global batch
 
 
 class TrainingObjective(nn.Module):
@@ -53,42 +55,40 @@ class TrainingObjective(nn.Module):
             raise ValueError("TrainingObjective needs the MoE blocks swapped (swap_moe_blocks)")
 
     def forward(
-        self, batch: Batch, num_valid_tokens: int, group: Any = None, packed: Any = None
+        self, batch: Batch, group: Any = None, packed: PackedInputs | None = None
     ) -> LossShares:
-        """``num_valid_tokens``: valid shifted labels over all ranks of ``group`` (the DP group;
-        ``None`` for one process). ``packed``: ``(position_ids, layout)`` of a packed row
-        (:mod:`qwen35_trainer.packing`; the model must have been adapted with
-        ``enable_packing``), ``None`` for right-padded rows."""
-        inputs = {
-            "input_ids": batch.input_ids,
-            "mm_token_type_ids": batch.mm_token_type_ids,
-            "pixel_values": batch.pixel_values,
-            "image_grid_thw": batch.image_grid_thw,
-            "use_cache": False,
-        }
+        """``group``: every rank holding other tokens of the global batch (``None`` for one
+        process); the valid labels are counted over it (one all-reduce). ``packed``: the
+        row's positions and layout when ``batch`` is one packed row (the model adapted with
+        :func:`qwen35_trainer.packing.enable_packing`); ``None`` for right-padded rows."""
         if packed is None:
-            inputs["attention_mask"] = batch.attention_mask
+            outputs = self.model.model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                mm_token_type_ids=batch.mm_token_type_ids,
+                pixel_values=batch.pixel_values,
+                image_grid_thw=batch.image_grid_thw,
+                use_cache=False,
+            )
+            hidden_BSH = outputs.last_hidden_state[:, :-1]
+            labels_BS, tokens_BS = shifted_labels(batch), batch.attention_mask
         else:
-            position_ids, layout = packed
-            # documents are kept apart by the layout, not by masks: no [S, S] mask is built
-            inputs["attention_mask"] = {"full_attention": None, "linear_attention": None}
-            inputs.update(position_ids=position_ids, cp_layout=layout, cp_group=None)
-        outputs = self.model.model(**inputs)
-        hidden_BSH = outputs.last_hidden_state
+            hidden_BSH, labels_BS, tokens_BS = packed_hidden_states(self.model.model, batch, packed)
+        num_valid_tokens = global_num_valid_tokens(labels_BS, group=group)
         head = self.model.lm_head
         ce = linear_cross_entropy(
-            hidden_BSH[:, :-1],
+            hidden_BSH,
             head.weight,
-            shifted_labels(batch),
+            labels_BS,
             bias=head.bias,
             ignore_index=IGNORE_INDEX,
             chunk_size=self.loss_chunk_size,
             num_valid_tokens=num_valid_tokens,
         )
-        tokens = batch.attention_mask.reshape(-1).bool()
+        tokens = tokens_BS.reshape(-1).bool()
         logits = torch.cat([block.stats.router_logits[tokens] for block in moe_blocks(self.model)])
         aux = load_balancing_loss(logits, moe_blocks(self.model)[0].top_k, group=group)
-        return LossShares(ce=ce, aux=aux)
+        return LossShares(ce=ce, aux=aux, tokens=num_valid_tokens)
 
 
 def shifted_labels(batch: Batch) -> torch.Tensor:

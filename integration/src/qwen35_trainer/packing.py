@@ -1,4 +1,5 @@
-"""Packed training: a rank's samples as ONE sequence, documents kept apart in every layer.
+"""Packed training: a rank's samples as ONE sequence, documents kept apart in every layer,
+optionally split over context-parallel (CP) ranks.
 
 transformers' Qwen3.5 text model, fed one row that concatenates several documents, would let them
 see each other: its attention masks only by position, and its Gated DeltaNet layers carry the
@@ -17,6 +18,11 @@ What the layers need (the document layout) travels as keyword arguments of the f
 (``cp_layout`` / ``cp_group``), which transformers hands down to every layer; activation
 checkpointing therefore replays it exactly (no global or context-variable state).
 
+Under CP the row's :class:`cp_varlen_attn.CPLayout` (balanced by default) assigns each rank
+pieces of documents; the same layout drives attention (each rank fetches only the K/V it needs)
+and the Gated DeltaNet (state summaries flow to the ranks holding later pieces), so a rank's
+outputs equal the one-process outputs at its tokens (:func:`packed_hidden_states`).
+
 Padding at the end of a packed row is its own "document" (it attends only to itself); its labels
 and its router statistics are excluded like any padding.
 """
@@ -28,14 +34,40 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from cp_varlen_attn import packed_gated_deltanet_forward, plan_cp_layout, varlen_attention
+from cp_varlen_attn import (
+    packed_gated_deltanet_forward,
+    plan_cp_layout,
+    shard_sequence,
+    varlen_attention,
+)
 from qwen35_trainer.data import IGNORE_INDEX, Batch, Sample, text_vocab
 
-__all__ = ["ATTENTION", "PackedBatch", "enable_packing", "pack"]
+__all__ = [
+    "ATTENTION",
+    "PackedBatch",
+    "PackedInputs",
+    "enable_packing",
+    "pack",
+    "packed_hidden_states",
+    "row_layout",
+]
 
 ATTENTION = "qwen35_packed"
+
+
+@dataclasses.dataclass
+class PackedInputs:
+    """What the packed forward needs besides the batch: per-document M-RoPE ``position_ids``
+    [3, 1, S] of the whole row, its ``layout`` over the CP ranks (one rank: ``cp_size`` 1) and
+    the CP ``group`` (``None`` without CP)."""
+
+    position_ids: torch.Tensor
+    layout: Any
+    group: Any = None
 
 
 @dataclasses.dataclass
@@ -129,6 +161,47 @@ def pack(samples: list[Sample], model_spec: Any, rope_index, pad_token_id: int,
     return PackedBatch(batch, cu, torch.cat(positions, dim=-1))
 
 
-def single_rank_layout(packed: PackedBatch):
-    """The layout of a packed row held by one rank (no context parallelism)."""
-    return plan_cp_layout(packed.cu_seqlens, 1)
+def packed_hidden_states(
+    vlm: nn.Module, batch: Batch, packed: PackedInputs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This CP rank's final hidden states [1, T, H], next-token labels [1, T] and token mask.
+
+    The row is embedded whole (text embeddings, then the vision tower's features scattered into
+    the image placeholders, as transformers' ``Qwen3_5MoeModel.forward`` does), then this rank's
+    tokens are taken in layout order (:func:`cp_varlen_attn.shard_sequence`, whose backward puts
+    each token's gradient back in place) and run through the language model with the layout.
+    Labels are shifted on the whole row first (position ``s`` predicts token ``s + 1``), so a
+    token's target is right whichever rank holds it. Every CP rank runs the vision tower on all
+    of the row's images; a feature's gradient comes only from the rank holding its placeholder,
+    and summing over CP ranks (FSDP) gives the one-process gradient.
+    """
+    embeds = vlm.get_input_embeddings()(batch.input_ids)
+    if batch.pixel_values is not None and batch.pixel_values.numel():
+        image = vlm.get_image_features(batch.pixel_values, batch.image_grid_thw, return_dict=True)
+        image_embeds = torch.cat(image.pooler_output, dim=0).to(embeds.dtype)
+        mask, _ = vlm.get_placeholder_mask(
+            batch.input_ids, inputs_embeds=embeds, image_features=image_embeds
+        )
+        embeds = embeds.masked_scatter(mask, image_embeds)
+    layout, group = packed.layout, packed.group
+    rank = dist.get_rank(group) if group is not None else 0
+    out = vlm.language_model(
+        inputs_embeds=shard_sequence(embeds, layout, rank, dim=1),
+        position_ids=shard_sequence(packed.position_ids, layout, rank, dim=2),
+        # documents are kept apart by the layout, not by masks: no [S, S] mask is built
+        attention_mask={"full_attention": None, "linear_attention": None},
+        use_cache=False,
+        cp_layout=layout,
+        cp_group=group,
+    )
+    next_labels = F.pad(batch.labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return (
+        out.last_hidden_state,
+        shard_sequence(next_labels, layout, rank, dim=1),
+        shard_sequence(batch.attention_mask, layout, rank, dim=1),
+    )
+
+
+def row_layout(row: PackedBatch, cp: int = 1):
+    """The layout of a packed row over ``cp`` ranks (balanced; one rank without CP)."""
+    return plan_cp_layout(row.cu_seqlens, cp)

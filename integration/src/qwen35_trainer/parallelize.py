@@ -1,19 +1,25 @@
 """Apply the recipe's parallelism to the model, in the repository's fixed order: EP, AC, FSDP.
 
-Layout: ``dp`` ranks, each with its own rows of the global batch. With ``ep > 1`` the ranks
-form a ``(dp // ep, "dp") x (ep, "ep")`` mesh: every MoE's routed experts are split over
-``"ep"`` (:func:`moe_parallel.apply_expert_parallel`; tokens travel to their experts' ranks and
-back), dense parameters are FSDP-sharded over all ranks (``dp`` x ``ep`` flattened), experts
-over ``"dp"`` only (:func:`fsdp_compat.shard_model` with ``ep_dim="ep"``).
+Layouts (``world = dp * cp`` ranks):
 
-Why the gradients are the one-process gradients: every rank backpropagates ``dp * share`` of
-the global loss (see :mod:`qwen35_trainer.train`). FSDP2 divides a dense gradient by the size of
-its reduce-scatter group, ``dp``: the sum of the shares' gradients. An expert's gradient on its
-owner already SUMS the contributions of the ``ep`` ranks whose tokens it served (the dispatch's
-backward returns them), and FSDP then averages it over the ``dp // ep`` expert replicas only: it
-comes out ``ep`` times too large. :meth:`Layout.after_backward` divides the expert gradients by
-``ep`` before clipping. (FSDP2's ``set_gradient_divide_factor`` would do it inside the
-reduce-scatter, but needs ``PREMUL_SUM``, which gloo lacks; one division is backend-neutral.)
+- ``dp`` ranks, each with its own rows of the global batch, FSDP2 over all of them;
+- ``ep > 1``: the ranks form a ``(dp // ep, "dp") x (ep, "ep")`` mesh; every MoE's routed
+  experts are split over ``"ep"`` (:func:`moe_parallel.apply_expert_parallel`; tokens travel to
+  their experts' ranks and back), dense parameters are FSDP-sharded over all ranks, experts over
+  ``"dp"`` only (:func:`fsdp_compat.shard_model` with ``ep_dim="ep"``);
+- ``cp > 1`` (needs packing): a ``(dp, "dp") x (cp, "cp")`` mesh; the ``cp`` ranks of a group
+  share one packed row, each holding the pieces its layout assigns
+  (:mod:`qwen35_trainer.packing`); FSDP2 over all ranks.
+
+Why the gradients are the one-process gradients: every rank holds different tokens and
+backpropagates ``world * share`` of the global loss (see :mod:`qwen35_trainer.train`). FSDP2
+divides a dense gradient by the size of its reduce-scatter group, ``world``: the sum of the
+shares' gradients. An expert's gradient on its owner already SUMS the contributions of the
+``ep`` ranks whose tokens it served (the dispatch's backward returns them), and FSDP then
+averages it over the ``dp // ep`` expert replicas only: it comes out ``ep`` times too large.
+:meth:`Layout.after_backward` divides the expert gradients by ``ep`` before clipping. (FSDP2's
+``set_gradient_divide_factor`` would do it inside the reduce-scatter, but needs ``PREMUL_SUM``,
+which gloo lacks; one division is backend-neutral.)
 """
 
 from __future__ import annotations
@@ -36,13 +42,18 @@ __all__ = ["Layout", "parallelize"]
 
 @dataclasses.dataclass
 class Layout:
-    """Where this rank sits: its data-parallel rank, and the group over which the global batch is
-    split (``None`` in one process)."""
+    """Where this rank sits. ``data_rank``: which rows of the step it takes (its DP index);
+    ``data_group``: all ranks (each holds other tokens of the global batch; ``None`` in one
+    process); ``world``: how many shares the global loss has; ``cp_group``: the ranks sharing this
+    rank's packed row (``None`` without CP)."""
 
-    data_rank: int
-    data_group: Any
-    mesh: Any
+    data_rank: int = 0
+    data_group: Any = None
+    mesh: Any = None
+    world: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_group: Any = None
 
     def after_backward(self, objective: TrainingObjective) -> None:
         """Divide the routed experts' gradients by ``ep`` (see the module docstring)."""
@@ -54,14 +65,26 @@ class Layout:
                     param.grad.div_(self.ep)
 
 
-def check_layout(spec: ParallelRecipe, world: int) -> None:
-    if spec.dp != world:
+def check_layout(spec: ParallelRecipe, world: int, *, packing: bool) -> None:
+    """Raise ``ValueError`` (with the reason) for a layout that cannot run in ``world`` ranks."""
+    if spec.dp < 1 or spec.cp < 1 or spec.dp * spec.cp != world:
         raise ValueError(
-            f"parallel.dp={spec.dp} must equal the launched world size {world} (WORLD_SIZE); "
-            f"launch with `torchrun --nproc-per-node {spec.dp} ...` or set parallel.dp={world}"
+            f"parallel.dp={spec.dp} x parallel.cp={spec.cp} must equal the launched world size "
+            f"{world} (WORLD_SIZE); launch with `torchrun --nproc-per-node {spec.dp * spec.cp} "
+            "...` or change parallel.dp / parallel.cp"
         )
     if spec.ep < 1 or spec.dp % spec.ep:
         raise ValueError(f"parallel.ep={spec.ep} must divide parallel.dp={spec.dp}")
+    if spec.cp > 1 and not packing:
+        raise ValueError(
+            "parallel.cp > 1 needs data.packing: context parallelism splits ONE packed row "
+            "over the CP ranks by its document layout"
+        )
+    if spec.cp > 1 and spec.ep > 1:
+        raise ValueError(
+            "parallel.cp > 1 together with parallel.ep > 1 is not wired yet (it needs a "
+            "(dp, cp, ep) mesh with EP over CP ranks); use one of them"
+        )
 
 
 def parallelize(
@@ -69,24 +92,35 @@ def parallelize(
     spec: ParallelRecipe,
     device: torch.device,
     *,
+    packing: bool = False,
     activation_checkpointing: bool = False,
 ) -> Layout:
     """EP, activation checkpointing, then FSDP2, in place; returns this rank's :class:`Layout`."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    check_layout(spec, world)
-    mesh = None
-    if spec.ep > 1:
-        mesh = init_device_mesh(
-            device.type, (spec.dp // spec.ep, spec.ep), mesh_dim_names=("dp", "ep")
-        )
+    check_layout(spec, world, packing=packing)
+    mesh, shard_dims = None, ("dp",)
+    if spec.cp > 1:
+        mesh = init_device_mesh(device.type, (spec.dp, spec.cp), mesh_dim_names=("dp", "cp"))
+        shard_dims = ("dp", "cp")
+    elif spec.ep > 1:
+        shape = (spec.dp // spec.ep, spec.ep)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "ep"))
+        shard_dims = ("dp", "ep")
         apply_expert_parallel(objective.model, mesh["ep"])
-    elif spec.dp > 1:
-        mesh = init_device_mesh(device.type, (spec.dp,), mesh_dim_names=("dp",))
+    elif world > 1:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     if activation_checkpointing:
         apply_activation_checkpointing(objective.model)
-    if spec.dp > 1:
-        shard_dims = ("dp", "ep") if spec.ep > 1 else ("dp",)
-        shard_model(objective, mesh, shard_dims=shard_dims)
     if world == 1:
-        return Layout(data_rank=0, data_group=None, mesh=mesh)
-    return Layout(dist.get_rank(), dist.group.WORLD, mesh, ep=spec.ep)
+        return Layout()
+    shard_model(objective, mesh, shard_dims=shard_dims)
+    rank = dist.get_rank()
+    return Layout(
+        data_rank=rank // spec.cp,
+        data_group=dist.group.WORLD,
+        mesh=mesh,
+        world=world,
+        ep=spec.ep,
+        cp=spec.cp,
+        cp_group=mesh["cp"].get_group() if spec.cp > 1 else None,
+    )

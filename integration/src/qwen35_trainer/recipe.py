@@ -89,11 +89,13 @@ class TrainRecipe:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelRecipe:
-    """``dp``: data-parallel ranks, sharded with FSDP2 (must equal the launched world size).
-    ``ep``: expert-parallel ranks (divides ``dp`` and every MoE's expert count); the EP ranks
-    are data-parallel ranks too, each with its own rows."""
+    """``dp``: data-parallel groups, each with its own rows; ``cp``: context-parallel ranks per
+    group, sharing one packed row (needs ``data.packing``); ``dp * cp`` is the launched world
+    size, all sharded with FSDP2. ``ep``: expert-parallel ranks (divides ``dp`` and every MoE's
+    expert count; EP ranks are data-parallel ranks too; not combined with CP yet)."""
 
     dp: int = 1
+    cp: int = 1
     ep: int = 1
 
 

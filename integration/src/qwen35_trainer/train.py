@@ -1,14 +1,14 @@
-"""The training loop: one process, or ``dp`` data-parallel ranks (FSDP2, optionally EP).
+"""The training loop: one process, or ``dp x cp`` ranks (FSDP2, optionally EP or CP).
 
-Why ``dp`` ranks take the same step as one process on the global batch: every rank builds the
-same initial weights (seeded), takes its own rows of the step's global batch
-(:func:`qwen35_trainer.data.rank_batch`), and computes its SHARE of the global loss
+Why the ranks take the same step as one process on the global batch: every rank builds the same
+initial weights (seeded), takes its tokens of the step's global batch (its DP group's rows, and
+under CP its pieces of the packed row), and computes its SHARE of the global loss
 (:mod:`qwen35_trainer.objective`); the gradient of the global loss is the SUM of the shares'
-gradients. FSDP2 reduce-scatters the MEAN over the shard group, so each rank backpropagates
-``dp * share`` (the parallel layout and its gradient factors: :mod:`qwen35_trainer.parallelize`).
+gradients. FSDP2 reduce-scatters the MEAN over all ``world`` ranks, so each rank backpropagates
+``world * share`` (the layouts and their gradient factors: :mod:`qwen35_trainer.parallelize`).
 Clipping uses the norm of the full (DTensor) gradients, the same number on every rank
-(:mod:`qwen35_trainer.grad_norm`), and the optimizer (:func:`safe_optim.build_optimizer`, safe with empty local shards)
-updates each shard as the single process updates the whole tensor.
+(:mod:`qwen35_trainer.grad_norm`), and the optimizer (:func:`safe_optim.build_optimizer`, safe
+with empty local shards) updates each shard as the single process updates the whole tensor.
 
 The logged loss is the sum of the shares over ranks (one all-reduce), i.e. the global batch's
 loss, identical on every rank.
@@ -24,13 +24,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from chunked_loss import global_num_valid_tokens
 from qwen35_trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from qwen35_trainer.data import collate, rank_samples
 from qwen35_trainer.grad_norm import clip_grad_norm
 from qwen35_trainer.model import build_model
-from qwen35_trainer.objective import TrainingObjective, shifted_labels
-from qwen35_trainer.packing import enable_packing, pack, single_rank_layout
+from qwen35_trainer.objective import TrainingObjective
+from qwen35_trainer.packing import PackedInputs, enable_packing, pack, row_layout
 from qwen35_trainer.parallelize import check_layout, parallelize
 from qwen35_trainer.recipe import Recipe
 from safe_optim import build_optimizer
@@ -80,7 +79,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
     """
     dp = recipe.parallel.dp
     if not dist.is_initialized():
-        check_layout(recipe.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        check_layout(recipe.parallel, world, packing=recipe.data.packing)
     _init_distributed()
     device = _device()
     model = build_model(recipe.model, seed=recipe.train.seed).to(device)
@@ -91,6 +91,7 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
         objective,
         recipe.parallel,
         device,
+        packing=recipe.data.packing,
         activation_checkpointing=recipe.train.activation_checkpointing,
     )
     optimizer = build_optimizer(
@@ -114,12 +115,12 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
         if recipe.data.packing:
             row = pack(samples, recipe.model, rope_index, text.pad_token_id)
             batch = row.batch.to(device)
-            packed = (row.position_ids.to(device), single_rank_layout(row))
+            packed = PackedInputs(row.position_ids.to(device), row_layout(row, layout.cp),
+                                  layout.cp_group)  # fmt: skip
         else:
             batch = collate(samples, recipe.model, text.pad_token_id).to(device)
-        tokens = global_num_valid_tokens(shifted_labels(batch), group=layout.data_group)
-        shares = objective(batch, tokens, layout.data_group, packed)
-        (dp * (shares.ce + coef * shares.aux)).backward()
+        shares = objective(batch, layout.data_group, packed)
+        (layout.world * (shares.ce + coef * shares.aux)).backward()
         layout.after_backward(objective)
         grad_norm = clip_grad_norm(objective.parameters(), recipe.train.grad_clip)
         optimizer.step()
@@ -128,7 +129,7 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
         if layout.data_group is not None:
             dist.all_reduce(totals, group=layout.data_group)
         ce, aux = totals.tolist()
-        log = StepLog(step + 1, ce + coef * aux, ce, aux, grad_norm, int(tokens),
+        log = StepLog(step + 1, ce + coef * aux, ce, aux, grad_norm, shares.tokens,
                       time.perf_counter() - began)  # fmt: skip
         logs.append(log)
         if on_step is not None:
