@@ -21,7 +21,8 @@ checkpointing therefore replays it exactly (no global or context-variable state)
 Under CP the row's :class:`cp_varlen_attn.CPLayout` (balanced by default) assigns each rank
 pieces of documents; the same layout drives attention (each rank fetches only the K/V it needs)
 and the Gated DeltaNet (state summaries flow to the ranks holding later pieces), so a rank's
-outputs equal the one-process outputs at its tokens (:func:`packed_hidden_states`).
+outputs equal the one-process outputs at its tokens (:func:`packed_hidden_states`). The vision
+tower's frames are split over the CP ranks too (:func:`image_features`).
 
 Padding at the end of a packed row is its own "document" (it attends only to itself); its labels
 and its router statistics are excluded like any padding.
@@ -44,6 +45,7 @@ from cp_varlen_attn import (
     shard_sequence,
     varlen_attention,
 )
+from cp_vision import run_vision_sharded
 from qwen35_trainer.data import IGNORE_INDEX, Batch, Sample, text_vocab
 
 __all__ = [
@@ -171,14 +173,13 @@ def packed_hidden_states(
     tokens are taken in layout order (:func:`cp_varlen_attn.shard_sequence`, whose backward puts
     each token's gradient back in place) and run through the language model with the layout.
     Labels are shifted on the whole row first (position ``s`` predicts token ``s + 1``), so a
-    token's target is right whichever rank holds it. Every CP rank runs the vision tower on all
-    of the row's images; a feature's gradient comes only from the rank holding its placeholder,
-    and summing over CP ranks (FSDP) gives the one-process gradient.
+    token's target is right whichever rank holds it. A feature's gradient comes only from the
+    rank holding its placeholder; :func:`image_features` sums those onto the rank that encoded
+    the frame, and FSDP sums the tower's gradients over the ranks.
     """
     embeds = vlm.get_input_embeddings()(batch.input_ids)
     if batch.pixel_values is not None and batch.pixel_values.numel():
-        image = vlm.get_image_features(batch.pixel_values, batch.image_grid_thw, return_dict=True)
-        image_embeds = torch.cat(image.pooler_output, dim=0).to(embeds.dtype)
+        image_embeds = image_features(vlm, batch, packed.group).to(embeds.dtype)
         mask, _ = vlm.get_placeholder_mask(
             batch.input_ids, inputs_embeds=embeds, image_features=image_embeds
         )
@@ -199,6 +200,30 @@ def packed_hidden_states(
         out.last_hidden_state,
         shard_sequence(next_labels, layout, rank, dim=1),
         shard_sequence(batch.attention_mask, layout, rank, dim=1),
+    )
+
+
+def image_features(vlm: nn.Module, batch: Batch, group: Any) -> torch.Tensor:
+    """[image tokens, D]: the vision tower's merged features of the row's images, in order.
+
+    Without CP, transformers' ``get_image_features``. Under CP the frames are split over the CP
+    ranks by :func:`cp_vision.run_vision_sharded` (each rank encodes a cost-balanced contiguous
+    slice; a variable-length all-gather reassembles all features on every rank, its backward sums
+    every rank's gradient for a slice onto the rank that encoded it), so the tower's work is not
+    replicated. The result equals the unsharded tower's because Qwen3.5's tower attends only
+    within a frame and its position embeddings are spatial.
+    """
+    pixel_values = batch.pixel_values.type(vlm.visual.dtype)
+    if group is None:
+        out = vlm.get_image_features(pixel_values, batch.image_grid_thw, return_dict=True)
+        return torch.cat(out.pooler_output, dim=0)
+    tower = vlm.visual
+    return run_vision_sharded(
+        lambda rows, grid: tower(rows, grid_thw=grid).pooler_output,
+        pixel_values,
+        batch.image_grid_thw,
+        group,
+        trainable=any(p.requires_grad for p in tower.parameters()),
     )
 
 
