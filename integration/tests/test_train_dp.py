@@ -7,7 +7,7 @@ leave some ranks with empty local shards. Layouts: FSDP2 data parallelism; EP 2 
 over pairs of ranks, dense parameters over all, experts FSDP-sharded over the rest); EP = world
 with activation checkpointing of decoder and vision blocks and packed rows (the reference is
 right-padded); CP = world (one packed row split over every rank by its balanced document
-layout) with activation checkpointing; DP x CP 2. Resume: a run stopped after one
+layout) with activation checkpointing; DP x CP 2 with the experts split over the CP ranks. Resume: a run stopped after one
 step (DCP checkpoint) and started again continues exactly, under the same layout and in one
 process.
 """
@@ -17,6 +17,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
+import transformers
 from dist_checks import (
     STEPS,
     assert_same_run,
@@ -30,7 +32,7 @@ from qwen35_trainer import train
 
 LAYOUTS = {
     "fsdp": (),
-    "ep2": ("parallel.ep=2",),
+    "ep2": ("parallel.ep=2", "train.export_dir={export}"),
     "ep_all_ac_packed": (
         "parallel.ep={world}",
         "train.activation_checkpointing=true",
@@ -43,9 +45,10 @@ LAYOUTS = {
         "data.packing=true",
         "train.activation_checkpointing=true",
     ),
-    "dp_x_cp2": (
+    "dp_x_cp2_ep2": (
         "parallel.dp={half}",
         "parallel.cp=2",
+        "parallel.ep=2",
         "data.samples_per_rank={rows}",
         "data.packing=true",
     ),
@@ -63,34 +66,52 @@ def reference():
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def launch(request, reference, tmp_path_factory):
     world = request.param
+    exported = tmp_path_factory.mktemp(f"export_world{world}")
+    fill = {"world": world, "half": world // 2, "rows": 8 // world, "export": exported}
     checks = {
         name: named_check(
             f"{name}@{world}",
             check_training_equals_one_process,
-            tuple(o.format(world=world, half=world // 2, rows=8 // world) for o in overrides),
+            tuple(o.format(**fill) for o in overrides),
             *reference,
         )
         for name, overrides in LAYOUTS.items()
     }
     saved = tmp_path_factory.mktemp(f"ckpt_world{world}")
     checks["resume"] = named_check(
-        f"resume@{world}", check_resume_equals_uninterrupted, LAYOUTS["ep2"], str(saved), *reference
+        f"resume@{world}",
+        check_resume_equals_uninterrupted,
+        ("parallel.ep=2",),
+        str(saved),
+        *reference,
     )
-    return checks, run_checks(list(checks.values()), world, timeout=300), saved
+    return checks, run_checks(list(checks.values()), world, timeout=300), saved, exported
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "resume"])
 def test_layout_equals_one_process(launch, layout):
-    checks, report, _ = launch
+    checks, report, _, _ = launch
     report.assert_passed(checks[layout])
 
 
 def test_checkpoint_of_a_sharded_run_resumes_in_one_process(launch, reference, tmp_path):
     """The step-1 checkpoint written by the EP 2 + FSDP2 ranks, resumed by ONE process (DCP
     re-shards on load): steps 2..3 and the final parameters equal the uninterrupted run."""
-    checks, report, saved = launch
+    checks, report, saved, _ = launch
     report.assert_passed(checks["resume"])
     shutil.copytree(saved / "step_000001", tmp_path / "step_000001")
     result = train(layout_recipe(1, f"train.checkpoint_dir={tmp_path}"))
     state = result.objective.model.state_dict()
     assert_same_run(result.logs, reference[0][1:], state, reference[1])
+
+
+def test_export_of_a_sharded_run_loads_in_transformers(launch, reference):
+    """The EP 2 + FSDP2 layout exported its trained model (gathered, written by rank 0):
+    transformers' own class loads it, and the weights are the one-process run's."""
+    checks, report, _, exported = launch
+    report.assert_passed(checks["ep2"])
+    loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(exported)
+    state = loaded.state_dict()
+    lr = layout_recipe(1).train.lr
+    for name, value in reference[1].items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-3 * lr)

@@ -85,7 +85,8 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
 
 
 def build_model(spec: ModelRecipe, *, seed: int = 0) -> nn.Module:
-    """A randomly initialised model (seeded: every rank builds the same weights), MoE swapped."""
+    """The recipe's model, MoE swapped: randomly initialised (seeded: every rank builds the
+    same weights), or with ``spec.weights`` loaded from a transformers checkpoint."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     config = build_config(spec)
@@ -93,4 +94,8 @@ def build_model(spec: ModelRecipe, *, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
         model = Qwen3_5MoeForConditionalGeneration(config)
     swap_moe_blocks(model, expert_backend=spec.expert_backend)
+    if spec.weights is not None:
+        from qwen35_trainer.hf import load_hf_weights
+
+        load_hf_weights(model, spec.weights)
     return model

@@ -9,7 +9,8 @@ Layouts (``world = dp * cp`` ranks):
   ``"dp"`` only (:func:`fsdp_compat.shard_model` with ``ep_dim="ep"``);
 - ``cp > 1`` (needs packing): a ``(dp, "dp") x (cp, "cp")`` mesh; the ``cp`` ranks of a group
   share one packed row, each holding the pieces its layout assigns
-  (:mod:`qwen35_trainer.packing`); FSDP2 over all ranks.
+  (:mod:`qwen35_trainer.packing`); FSDP2 over all ranks. With ``ep == cp`` the experts are split
+  over the CP ranks (they hold different tokens, as EP needs) and FSDP-sharded over ``"dp"``.
 
 Why the gradients are the one-process gradients: every rank holds different tokens and
 backpropagates ``world * share`` of the global loss (see :mod:`qwen35_trainer.train`). FSDP2
@@ -73,17 +74,18 @@ def check_layout(spec: ParallelRecipe, world: int, *, packing: bool) -> None:
             f"{world} (WORLD_SIZE); launch with `torchrun --nproc-per-node {spec.dp * spec.cp} "
             "...` or change parallel.dp / parallel.cp"
         )
-    if spec.ep < 1 or spec.dp % spec.ep:
+    if spec.cp == 1 and (spec.ep < 1 or spec.dp % spec.ep):
         raise ValueError(f"parallel.ep={spec.ep} must divide parallel.dp={spec.dp}")
     if spec.cp > 1 and not packing:
         raise ValueError(
             "parallel.cp > 1 needs data.packing: context parallelism splits ONE packed row "
             "over the CP ranks by its document layout"
         )
-    if spec.cp > 1 and spec.ep > 1:
+    if spec.cp > 1 and spec.ep not in (1, spec.cp):
         raise ValueError(
-            "parallel.cp > 1 together with parallel.ep > 1 is not wired yet (it needs a "
-            "(dp, cp, ep) mesh with EP over CP ranks); use one of them"
+            f"with parallel.cp={spec.cp}, experts are split over the CP ranks: parallel.ep must "
+            f"be 1 or {spec.cp}, got {spec.ep} (other EP groups under CP need a (dp, cp, ep) "
+            "mesh, not wired yet)"
         )
 
 
@@ -98,10 +100,13 @@ def parallelize(
     """EP, activation checkpointing, then FSDP2, in place; returns this rank's :class:`Layout`."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     check_layout(spec, world, packing=packing)
-    mesh, shard_dims = None, ("dp",)
+    mesh, shard_dims, ep_dim = None, ("dp",), "ep"
     if spec.cp > 1:
         mesh = init_device_mesh(device.type, (spec.dp, spec.cp), mesh_dim_names=("dp", "cp"))
         shard_dims = ("dp", "cp")
+        if spec.ep > 1:  # EP over the CP ranks: they hold different tokens like DP ranks do
+            ep_dim = "cp"
+            apply_expert_parallel(objective.model, mesh["cp"])
     elif spec.ep > 1:
         shape = (spec.dp // spec.ep, spec.ep)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "ep"))
@@ -113,7 +118,7 @@ def parallelize(
         apply_activation_checkpointing(objective.model)
     if world == 1:
         return Layout()
-    shard_model(objective, mesh, shard_dims=shard_dims)
+    shard_model(objective, mesh, shard_dims=shard_dims, ep_dim=ep_dim)
     rank = dist.get_rank()
     return Layout(
         data_rank=rank // spec.cp,

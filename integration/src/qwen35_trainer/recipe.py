@@ -36,7 +36,8 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class ModelRecipe:
     """``text`` / ``vision``: keyword arguments of ``Qwen3_5MoeTextConfig`` /
-    ``Qwen3_5MoeVisionConfig``; the token ids place image tokens inside the vocabulary."""
+    ``Qwen3_5MoeVisionConfig``; the token ids place image tokens inside the vocabulary.
+    ``weights``: a transformers checkpoint directory to start from (same architecture)."""
 
     text: dict[str, Any]
     vision: dict[str, Any]
@@ -45,6 +46,7 @@ class ModelRecipe:
     vision_start_token_id: int
     vision_end_token_id: int
     expert_backend: str = "auto"
+    weights: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +71,8 @@ class TrainRecipe:
     config's value. ``activation_checkpointing``: recompute decoder (and trainable vision)
     blocks in backward (:func:`moe_parallel.apply_activation_checkpointing`).
     ``checkpoint_dir``: save there every ``checkpoint_every`` steps (0: only after the last) and
-    resume from its newest complete checkpoint (:mod:`qwen35_trainer.checkpoint`)."""
+    resume from its newest complete checkpoint (:mod:`qwen35_trainer.checkpoint`).
+    ``export_dir``: write the trained model there as a transformers checkpoint."""
 
     steps: int = 10
     optimizer: str = "adamw"
@@ -84,6 +87,7 @@ class TrainRecipe:
     activation_checkpointing: bool = False
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    export_dir: str | None = None
     log_every: int = 1
 
 
@@ -91,8 +95,9 @@ class TrainRecipe:
 class ParallelRecipe:
     """``dp``: data-parallel groups, each with its own rows; ``cp``: context-parallel ranks per
     group, sharing one packed row (needs ``data.packing``); ``dp * cp`` is the launched world
-    size, all sharded with FSDP2. ``ep``: expert-parallel ranks (divides ``dp`` and every MoE's
-    expert count; EP ranks are data-parallel ranks too; not combined with CP yet)."""
+    size, all sharded with FSDP2. ``ep``: expert-parallel ranks (divides every MoE's expert
+    count; without CP it divides ``dp``, EP ranks being DP ranks; with CP it equals ``cp``,
+    EP ranks being the CP ranks)."""
 
     dp: int = 1
     cp: int = 1

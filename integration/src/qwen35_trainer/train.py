@@ -27,6 +27,7 @@ import torch.distributed as dist
 from qwen35_trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from qwen35_trainer.data import collate, rank_samples
 from qwen35_trainer.grad_norm import clip_grad_norm
+from qwen35_trainer.hf import export_hf
 from qwen35_trainer.model import build_model
 from qwen35_trainer.objective import TrainingObjective
 from qwen35_trainer.packing import PackedInputs, enable_packing, pack, row_layout
@@ -139,6 +140,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
             step + 1 == recipe.train.steps or (every and (step + 1) % every == 0)
         ):
             save_checkpoint(recipe.train.checkpoint_dir, step + 1, objective, optimizer)
+    if recipe.train.export_dir:
+        export_hf(objective.model, recipe.train.export_dir)
     return TrainResult(logs, objective)
 
 
