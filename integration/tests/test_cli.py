@@ -39,7 +39,7 @@ def test_bad_recipe_exits_2_with_the_reason(capsys, tmp_path):
 def test_layouts_that_do_not_fit_are_refused(capsys):
     assert main([str(TINY), "--set", "parallel.dp=2"]) == 2
     err = capsys.readouterr().err
-    assert "parallel.dp=2 x parallel.cp=1 must equal the launched world size 1" in err
+    assert "parallel.dp=2 x parallel.cp=1 x parallel.tp=1 must equal the launched world" in err
     assert main([str(TINY), "--set", "parallel.ep=3"]) == 2
     assert "parallel.ep=3 must divide parallel.dp=1" in capsys.readouterr().err
 

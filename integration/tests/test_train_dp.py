@@ -7,7 +7,8 @@ leave some ranks with empty local shards. Layouts: FSDP2 data parallelism; EP 2 
 over pairs of ranks, dense parameters over all, experts FSDP-sharded over the rest); EP = world
 with activation checkpointing of decoder and vision blocks and packed rows (the reference is
 right-padded); CP = world (one packed row split over every rank by its balanced document
-layout) with activation checkpointing; DP x CP 2 with the experts split over the CP ranks. Resume: a run stopped after one
+layout) with activation checkpointing; DP x CP 2 with the experts split over the CP ranks;
+DP x TP 2 (attention heads and shared expert split) on packed rows. Resume: a run stopped after one
 step (DCP checkpoint) and started again continues exactly, under the same layout and in one
 process.
 """
@@ -44,6 +45,12 @@ LAYOUTS = {
         "data.samples_per_rank=4",
         "data.packing=true",
         "train.activation_checkpointing=true",
+    ),
+    "dp_x_tp2_packed": (
+        "parallel.dp={half}",
+        "parallel.tp=2",
+        "data.samples_per_rank={rows}",
+        "data.packing=true",
     ),
     "dp_x_cp2_ep2": (
         "parallel.dp={half}",

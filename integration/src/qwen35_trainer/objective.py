@@ -74,7 +74,10 @@ class TrainingObjective(nn.Module):
             labels_BS, tokens_BS = shifted_labels(batch), batch.attention_mask
         else:
             hidden_BSH, labels_BS, tokens_BS = packed_hidden_states(self.model.model, batch, packed)
-        num_valid_tokens = global_num_valid_tokens(labels_BS, group=group)
+        if group is None:  # one process, or TP peers only: nothing to sum over
+            num_valid_tokens = int((labels_BS != IGNORE_INDEX).sum())
+        else:
+            num_valid_tokens = global_num_valid_tokens(labels_BS, group=group)
         head = self.model.lm_head
         ce = linear_cross_entropy(
             hidden_BSH,

@@ -94,14 +94,16 @@ class TrainRecipe:
 @dataclasses.dataclass(frozen=True)
 class ParallelRecipe:
     """``dp``: data-parallel groups, each with its own rows; ``cp``: context-parallel ranks per
-    group, sharing one packed row (needs ``data.packing``); ``dp * cp`` is the launched world
-    size, all sharded with FSDP2. ``ep``: expert-parallel ranks (divides every MoE's expert
+    group, sharing one packed row (needs ``data.packing``); all sharded with FSDP2. ``ep``: expert-parallel ranks (divides every MoE's expert
     count; without CP it divides ``dp``, EP ranks being DP ranks; with CP it equals ``cp``,
-    EP ranks being the CP ranks)."""
+    EP ranks being the CP ranks). ``tp``: tensor-parallel ranks per DP group (same rows;
+    attention heads and the shared expert split; not combined with CP or EP yet); the world
+    size is ``dp * cp * tp``."""
 
     dp: int = 1
     cp: int = 1
     ep: int = 1
+    tp: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
