@@ -1,14 +1,18 @@
 """Long-context trainer for Qwen3.5 MoE-VLM models, assembled from this workspace's packages.
 
-Today: transformers' Qwen3.5 MoE-VLM with :class:`moe_parallel.MoE` blocks, a synthetic
-multimodal data stream, the global-batch loss (:mod:`chunked_loss` cross-entropy + router aux
-loss), data parallelism with FSDP2 (:mod:`fsdp_compat`), :mod:`safe_optim` optimizers, YAML
-recipes and the ``qwen35-train`` CLI.
+transformers' Qwen3.5 MoE-VLM with :class:`moe_parallel.MoE` blocks; the global-batch loss
+(:mod:`chunked_loss` cross-entropy + router aux loss); FSDP2 (:mod:`fsdp_compat`) with EP, TP,
+CP and packing (:mod:`cp_varlen_attn`, :mod:`cp_vision`); activation checkpointing;
+:mod:`safe_optim` optimizers; DCP checkpoints; HF checkpoints in and out; a synthetic multimodal
+data stream; YAML recipes and the ``qwen35-train`` CLI.
 """
 
 from qwen35_trainer.data import Batch, global_batch, rank_batch
+from qwen35_trainer.hf import export_hf, load_hf_weights
 from qwen35_trainer.model import build_config, build_model, moe_blocks, swap_moe_blocks
 from qwen35_trainer.objective import LossShares, TrainingObjective
+from qwen35_trainer.packing import PackedInputs, enable_packing, pack
+from qwen35_trainer.parallelize import TP_PLAN, Layout, check_layout, parallelize
 from qwen35_trainer.recipe import (
     DataRecipe,
     ModelRecipe,
@@ -23,10 +27,13 @@ from qwen35_trainer.train import StepLog, TrainResult, train
 __version__ = "0.1.0"
 
 __all__ = [
+    "TP_PLAN",
     "Batch",
     "DataRecipe",
+    "Layout",
     "LossShares",
     "ModelRecipe",
+    "PackedInputs",
     "ParallelRecipe",
     "Recipe",
     "StepLog",
@@ -36,9 +43,15 @@ __all__ = [
     "__version__",
     "build_config",
     "build_model",
+    "check_layout",
+    "enable_packing",
+    "export_hf",
     "global_batch",
+    "load_hf_weights",
     "load_recipe",
     "moe_blocks",
+    "pack",
+    "parallelize",
     "rank_batch",
     "recipe_from_dict",
     "swap_moe_blocks",

@@ -81,9 +81,6 @@ class PackedBatch:
     cu_seqlens: torch.Tensor
     position_ids: torch.Tensor
 
-    def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(self.batch.to(device), self.cu_seqlens, self.position_ids.to(device))
-
 
 def _packed_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
                       cp_layout=None, cp_group=None, **kwargs):  # fmt: skip
