@@ -85,7 +85,6 @@ class Layout:
 
     data_rank: int = 0
     data_group: Any = None
-    mesh: Any = None
     world: int = 1  # shares of the global loss: dp * cp (TP peers hold the same tokens)
     ep: int = 1
     cp: int = 1
@@ -166,11 +165,10 @@ def parallelize(
     shard_model(objective, mesh, shard_dims=shard_dims, ep_dim=ep_dim)
     if spec.tp > 1:  # TP peers hold the same tokens: the data is split over "dp" only
         data_group = mesh["dp"].get_group() if spec.dp > 1 else None
-        return Layout(mesh["dp"].get_local_rank(), data_group, mesh, world=spec.dp)
+        return Layout(mesh["dp"].get_local_rank(), data_group, world=spec.dp)
     return Layout(
         data_rank=dist.get_rank() // spec.cp,
         data_group=dist.group.WORLD,
-        mesh=mesh,
         world=world,
         ep=spec.ep,
         cp=spec.cp,
