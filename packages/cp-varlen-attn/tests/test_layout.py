@@ -36,7 +36,7 @@ def test_balanced_needs_no_padding_and_measures_itself(lengths, cp):
     layout = plan_cp_layout(cu_from_lengths(lengths), cp, strategy="balanced")
     assert layout.padding_tokens == 0
     costs = layout.rank_costs()
-    assert layout.compute_imbalance() == pytest.approx(max(costs) / (sum(costs) / cp))
+    assert layout.compute_imbalance == pytest.approx(max(costs) / (sum(costs) / cp))
     # K/V received only for split documents, never more than an all-gather
     for r in range(cp):
         assert layout.kv_rows_needed(r) <= layout.seq_len - layout.local_len(r)
@@ -64,15 +64,15 @@ def test_kv_rows_needed_counts_earlier_foreign_tokens():
 
 def test_one_long_document_is_balanced_exactly():
     layout = plan_cp_layout(cu_from_lengths([4096]), 4, strategy="balanced", token_weight=0.0)
-    assert layout.compute_imbalance() < 1.01
-    assert layout.token_imbalance() < 1.02
+    assert layout.compute_imbalance < 1.01
+    assert layout.token_imbalance < 1.02
 
 
 def test_short_documents_stay_whole():
     layout = plan_cp_layout(cu_from_lengths([100] * 16), 4, strategy="balanced")
     assert all(p.start == 0 and p.end == 100 for pcs in layout.pieces for p in pcs)
     assert sum(layout.kv_bytes(1)) == 0
-    assert layout.compute_imbalance() == pytest.approx(1.0)
+    assert layout.compute_imbalance == pytest.approx(1.0)
 
 
 def test_bad_input():

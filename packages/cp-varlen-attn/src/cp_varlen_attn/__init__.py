@@ -10,7 +10,14 @@ from cp_varlen_attn.hf_flash_mask import (
     unpad_data_from_indexed_mask,
 )
 from cp_varlen_attn.hf_gdn import packed_gated_deltanet_forward
-from cp_varlen_attn.layout import CPLayout, Piece, shard_sequence, unshard_sequence
+from cp_varlen_attn.layout import (
+    PAIR_BOUND,
+    TOKEN_BOUND,
+    CPLayout,
+    Piece,
+    shard_sequence,
+    unshard_sequence,
+)
 from cp_varlen_attn.packing import (
     PackedBatch,
     cu_seqlens_from_doc_ids,
@@ -20,13 +27,16 @@ from cp_varlen_attn.packing import (
     pack_documents,
 )
 from cp_varlen_attn.strategies import STRATEGIES, plan_cp_layout
+from cp_varlen_attn.validation import validate_layout
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BACKENDS",
     "GDN_BACKENDS",
+    "PAIR_BOUND",
     "STRATEGIES",
+    "TOKEN_BOUND",
     "CPLayout",
     "ExchangePlan",
     "PackedBatch",
@@ -49,5 +59,6 @@ __all__ = [
     "shard_sequence",
     "unpad_data_from_indexed_mask",
     "unshard_sequence",
+    "validate_layout",
     "varlen_attention",
 ]

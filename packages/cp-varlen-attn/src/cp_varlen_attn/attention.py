@@ -17,7 +17,9 @@ aligned causal mask (query ``j`` of the piece sees keys ``< s + j + 1``):
   bottom-right when there are more keys than queries, which is exactly this mask).
 
 Nothing is stored in ambient state: the layout and the group are arguments, so activation
-checkpointing's recompute (on the autograd thread) sees exactly what the forward saw.
+checkpointing's recompute (on the autograd thread) sees exactly what the forward saw. Input
+checks are local once the layout object is validated for the group
+(:func:`cp_varlen_attn.validate_layout`); the first call with a new layout agrees them.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_varlen_attn._agree import agree_or_raise
 from cp_varlen_attn.exchange import exchange_rows, plan_exchange
 from cp_varlen_attn.layout import CPLayout
+from cp_varlen_attn.validation import check_call
 
 __all__ = ["BACKENDS", "varlen_attention"]
 
@@ -156,19 +158,8 @@ def _flash_available() -> bool:
     return True
 
 
-def _layout_digest(layout: CPLayout) -> int:
-    # tuples of ints hash identically in every process (only str/bytes hashing is salted)
-    return hash((layout.cu_seqlens, layout.pieces)) & ((1 << 62) - 1)
-
-
 def _validate(q, k, v, layout, group, rank, backend) -> None:
-    error = _local_error(q, k, v, layout, group, rank, backend)
-    if group is not None and dist.get_world_size(group) > 1:
-        digest = torch.tensor([_layout_digest(layout), -_layout_digest(layout)], dtype=torch.int64)
-        dist.all_reduce(digest, op=dist.ReduceOp.MAX, group=group)
-        if error is None and int(digest[0]) != -int(digest[1]):
-            error = "ranks passed different layouts to varlen_attention: every rank must plan the same CPLayout"
-    agree_or_raise(error, group)
+    check_call(layout, group, _local_error(q, k, v, layout, group, rank, backend))
 
 
 def _local_error(q, k, v, layout, group, rank, backend) -> str | None:

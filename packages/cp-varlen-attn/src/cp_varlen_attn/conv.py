@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_varlen_attn._agree import agree_or_raise
 from cp_varlen_attn.exchange import all_gather_autograd
 from cp_varlen_attn.layout import CPLayout
+from cp_varlen_attn.validation import check_call
 
 __all__ = ["causal_conv1d"]
 
@@ -59,7 +59,10 @@ def causal_conv1d(
     if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] == 1:
         weight = weight[:, 0]
     error = _local_error(x, weight, bias, cu_seqlens, layout, group, rank, activation)
-    agree_or_raise(error, group if layout is not None else None)
+    if isinstance(layout, CPLayout):
+        check_call(layout, group, error)
+    elif error is not None:
+        raise ValueError(error)
     kernel = weight.shape[1]
     x_TC = x[0].to(weight.dtype)
     if layout is None:

@@ -22,10 +22,10 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from cp_varlen_attn._agree import agree_or_raise
 from cp_varlen_attn.gdn_chunk import run_segments
 from cp_varlen_attn.gdn_cp import cp_gated_delta
 from cp_varlen_attn.layout import CPLayout
+from cp_varlen_attn.validation import check_call
 
 __all__ = ["GDN_BACKENDS", "gated_delta_rule"]
 
@@ -72,13 +72,10 @@ def gated_delta_rule(
     """
     rank = dist.get_rank(group) if group is not None else 0
     error = _local_error(q, k, v, g, beta, cu_seqlens, initial_state, layout, group, rank, backend)
-    if layout is not None and group is not None and dist.get_world_size(group) > 1:
-        digest = _layout_digest(layout)
-        both = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        if error is None and int(both[0]) != -int(both[1]):
-            error = "ranks passed different layouts to gated_delta_rule: every rank must plan the same CPLayout"
-    agree_or_raise(error, group if layout is not None else None)
+    if isinstance(layout, CPLayout):
+        check_call(layout, group, error)
+    elif error is not None:
+        raise ValueError(error)
 
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     heads_v, dk = v.shape[2], q.shape[3]
@@ -145,11 +142,6 @@ def _fla_segments(q_THK, k_THK, v_THW, g_TH, beta_TH, bounds, state0_NHKW):
         use_qk_l2norm_in_kernel=False,
     )
     return out[0].to(v_THW.dtype), final.to(v_THW.dtype)
-
-
-def _layout_digest(layout: CPLayout) -> int:
-    # tuples of ints hash identically in every process (only str/bytes hashing is salted)
-    return hash((layout.cu_seqlens, layout.pieces)) & ((1 << 62) - 1)
 
 
 def _local_error(

@@ -19,7 +19,11 @@ import itertools
 
 import torch
 
-__all__ = ["CPLayout", "Piece", "shard_sequence", "unshard_sequence"]
+__all__ = ["PAIR_BOUND", "TOKEN_BOUND", "CPLayout", "Piece", "shard_sequence", "unshard_sequence"]
+
+# What ``balanced`` guarantees on packs that allow it (``CPLayout.balance_misses``).
+PAIR_BOUND = 1.02
+TOKEN_BOUND = 1.05
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -87,13 +91,73 @@ class CPLayout:
     def rank_costs(self) -> list[float]:
         return [sum(self.piece_cost(p) for p in pcs) for pcs in self.pieces]
 
+    def rank_pairs(self) -> list[int]:
+        """Per rank, its causal query-key pairs: a token at offset ``i`` is the query of ``i + 1``."""
+        return [
+            sum((p.end * (p.end + 1) - p.start * (p.start + 1)) // 2 for p in pcs)
+            for pcs in self.pieces
+        ]
+
+    @property
     def compute_imbalance(self) -> float:
-        """max / mean of the per-rank cost (1.0 is perfect)."""
+        """max / mean of the per-rank cost under the layout's weights (1.0 is perfect)."""
         return _imbalance(self.rank_costs())
 
+    @property
+    def pair_imbalance(self) -> float:
+        """max / mean of the per-rank causal attention pairs: what attention layers wait for."""
+        return _imbalance(self.rank_pairs())
+
+    @property
     def token_imbalance(self) -> float:
-        """max / mean of the per-rank token count."""
+        """max / mean of the per-rank token count: what every other layer waits for."""
         return _imbalance([self.local_len(r) for r in range(self.cp_size)])
+
+    def step_time_ratio(self, pair_cost: float, token_cost: float) -> float:
+        """Step time over the ideal one under the per-layer model: the ranks meet at every layer,
+        so attention layers last as long as the rank with the most pairs and the other layers as
+        the rank with the most tokens. ``pair_cost`` / ``token_cost``: the work of one causal
+        pair (summed over the attention layers) and of one token (over all layers), in any one
+        unit. ``(a·max pairs + b·max tokens) / (a·mean pairs + b·mean tokens)``."""
+        pairs, tokens = self.rank_pairs(), [self.local_len(r) for r in range(self.cp_size)]
+        ideal = pair_cost * sum(pairs) / self.cp_size + token_cost * sum(tokens) / self.cp_size
+        if ideal == 0:
+            return 1.0
+        return (pair_cost * max(pairs) + token_cost * max(tokens)) / ideal
+
+    @property
+    def balance_misses(self) -> tuple[str, ...]:
+        """The balance bounds this layout misses, each with by how much (empty: all met):
+        pairs ≤ ``PAIR_BOUND`` × mean and tokens ≤ ``TOKEN_BOUND`` × mean on every rank."""
+        misses = []
+        for name, value, bound in (
+            ("pairs", self.pair_imbalance, PAIR_BOUND),
+            ("tokens", self.token_imbalance, TOKEN_BOUND),
+        ):
+            if value > bound:
+                misses.append(f"{name} imbalance {value:.4f} > {bound} (+{value - bound:.4f})")
+        return tuple(misses)
+
+    @property
+    def kv_rows_received(self) -> tuple[int, ...]:
+        """Per rank, the K/V rows it receives (:meth:`kv_rows_needed`)."""
+        return tuple(self.kv_rows_needed(r) for r in range(self.cp_size))
+
+    @property
+    def kv_fraction(self) -> float:
+        """K/V rows received summed over ranks, over what an all-gather of the sequence moves."""
+        gathered = sum(self.all_gather_kv_bytes(1))
+        return sum(self.kv_rows_received) / gathered if gathered else 0.0
+
+    def gdn_summary_bytes(
+        self, heads_v: int, dk: int, dv: int, bytes_per_elem: int = 4
+    ) -> list[int]:
+        """Per rank, bytes of gated-delta-rule piece summaries received per GDN layer (the
+        prefix exchange of :func:`cp_varlen_attn.plan_summaries`); compare with
+        ``all_gather_kv_bytes(bytes per token of q, k, v, g, beta)``."""
+        from cp_varlen_attn.gdn_cp import plan_summaries
+
+        return plan_summaries(self).summary_bytes_per_rank(heads_v, dk, dv, bytes_per_elem)
 
     def kv_rows_needed(self, rank: int) -> int:
         """K/V rows ``rank`` must receive: for each document it holds, the document's tokens

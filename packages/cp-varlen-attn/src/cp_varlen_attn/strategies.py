@@ -1,52 +1,40 @@
 """Layout strategies: contiguous, per-document zigzag, and balanced.
 
 Cost model (see ``CPLayout``): a token at offset ``i`` of its document costs
-``a * (i + 1) + b``; the prefix cost of a document's first ``n`` tokens is
-``P(n) = a * n * (n + 1) / 2 + b * n`` and a piece ``[s, e)`` costs ``P(e) - P(s)``.
+``a * (i + 1) + b``; a piece ``[s, e)`` of a document holds ``P(e) - P(s)`` causal pairs with
+``P(n) = n (n + 1) / 2``.
 
-``balanced`` keeps short documents whole and splits only what must be split:
+- ``contiguous``: equal consecutive chunks of the packed sequence (cheap in K/V, but the ranks
+  holding late tokens of long documents do most of the attention).
+- ``zigzag``: per document, 2·cp chunks, rank r takes chunks r and 2·cp−1−r (balanced, but it
+  splits every document over every rank; Megatron would also pad each to a multiple of 2·cp).
+- ``balanced`` (:mod:`cp_varlen_attn.balanced`): pairs AND tokens at their means on every rank,
+  zero padding, and only a few documents split.
 
-1. Budgets: every rank gets ``total_cost / cp`` of cost and ``S / cp`` of tokens.
-2. A document bigger than one rank's budget (in cost or tokens) is spread over just enough
-   ranks (those with the most room) that it fills at most ``SPLIT_FILL`` of their budgets.
-3. The other documents, most expensive first, go whole to the rank whose remaining
-   (cost, tokens) budget best matches their demand, among the ranks that can take them.
-4. A document that fits nowhere whole is cut over the fewest ranks that cover it.
-
-Every cut is a set of head/tail pairs: rank j takes ``[h, h + x)`` and ``[t - y, t)`` and the
-last rank the middle. For a fixed count ``x + y`` the pair's cost decreases in ``x``, so the
-count (the rank's share of the token budget, moved only as far as the cost budget requires)
-and the split ``x`` (its share of the cost budget) are found by bisection. Pairing a cheap head
-with an expensive tail is what keeps token counts even while costs are equal. Exactness never
-depends on any of this: a layout is only a permutation of tokens into pieces.
-
-Ranks receive K/V only for the split documents, and only their earlier parts.
+Exactness never depends on the strategy: a layout is only a permutation of tokens into pieces.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 
 import torch
 
+from cp_varlen_attn.balanced import plan_balanced
 from cp_varlen_attn.layout import CPLayout, Piece
 
 __all__ = ["STRATEGIES", "plan_cp_layout"]
 
 STRATEGIES = ("contiguous", "zigzag", "balanced")
 
+# The layout's reporting cost model (``CPLayout.compute_imbalance``); ``balanced`` itself does
+# not need it, since pairs and tokens balanced separately balance every weighted sum.
 # Per-token linear work (projections, MoE, GDN) in units of "one query-key pair of causal
 # attention". Qwen3.5-35B-A3B does ~2·3e9 FLOPs per token in its matmuls and 4·16·256 FLOPs per
 # query-key pair in each of its 10 full-attention layers: a ratio of ~37K; attention kernels run
 # at roughly half the matmul FLOP rate, hence ~16K. Pass token_weight=0 for attention-only cost.
 DEFAULT_TOKEN_WEIGHT = 16384.0
-
-# A document too big for one rank is spread so that it fills at most this fraction of each
-# chosen rank's budgets: the rest is left for cheaper documents, which is what lets cost AND
-# token counts balance, while keeping the number of ranks that need its K/V small.
-SPLIT_FILL = 0.5
 
 
 def plan_cp_layout(
@@ -59,7 +47,8 @@ def plan_cp_layout(
 ) -> CPLayout:
     """Split the packed sequence described by ``cu_seqlens`` (int [n_docs + 1]) over ``cp_size`` ranks.
 
-    Cost of a token at offset ``i`` of its document: ``attn_weight * (i + 1) + token_weight``.
+    ``attn_weight`` / ``token_weight`` are the layout's reporting cost model (a token at offset
+    ``i`` costs ``attn_weight * (i + 1) + token_weight``; see ``CPLayout.compute_imbalance``).
     Deterministic: every rank computing it from the same ``cu_seqlens`` gets the same layout.
     """
     cu = _as_boundaries(cu_seqlens)
@@ -79,7 +68,7 @@ def plan_cp_layout(
         per_rank = _zigzag(lengths, cp_size)
         padding = sum(-n % (2 * cp_size) for n in lengths)
     else:
-        per_rank = _Balancer(lengths, cp_size, attn_weight, token_weight).run()
+        per_rank = plan_balanced(lengths, cp_size)
     ordered = tuple(tuple(sorted(pcs, key=lambda p: cu[p.doc] + p.start)) for pcs in per_rank)
     return CPLayout(tuple(cu), ordered, strategy, attn_weight, token_weight, padding)
 
@@ -130,134 +119,3 @@ def _zigzag(lengths: list[int], cp: int) -> list[list[Piece]]:
                 if bounds[j] < bounds[j + 1]:
                     out[r].append(Piece(d, bounds[j], bounds[j + 1]))
     return out
-
-
-class _Balancer:
-    """The ``balanced`` planner (module docstring): per-rank budgets and the pieces given so far."""
-
-    def __init__(self, lengths: list[int], cp: int, a: float, b: float) -> None:
-        self.lengths, self.cp, self.a, self.b = lengths, cp, a, b
-        self.cost_per_rank = sum(self.prefix(n) for n in lengths) / cp
-        self.tokens_per_rank = sum(lengths) / cp
-        self.cost_left = [self.cost_per_rank] * cp
-        self.tokens_left = [self.tokens_per_rank] * cp
-        self.out: list[list[Piece]] = [[] for _ in range(cp)]
-        self.eps = 1e-9 * max(self.cost_per_rank, 1.0)
-
-    def prefix(self, n: int) -> float:
-        return self.a * n * (n + 1) / 2 + self.b * n
-
-    def room(self, r: int) -> float:
-        return self.cost_left[r] / self.cost_per_rank + self.tokens_left[r] / self.tokens_per_rank
-
-    def run(self) -> list[list[Piece]]:
-        order = sorted(range(len(self.lengths)), key=lambda d: (-self.lengths[d], d))
-        whole, leftover = [], []
-        for d in order:
-            demand = max(
-                self.prefix(self.lengths[d]) / self.cost_per_rank,
-                self.lengths[d] / self.tokens_per_rank,
-            )
-            if demand > 1.0:
-                k = min(self.cp, math.ceil(demand / SPLIT_FILL))
-                self.split(d, sorted(range(self.cp), key=lambda r: (-self.room(r), r))[:k])
-            else:
-                whole.append(d)
-        for d in whole:
-            rank = self.best_fit(d)
-            if rank is None:
-                leftover.append(d)
-            else:
-                self.give(rank, d, 0, self.lengths[d])
-        for d in leftover:
-            self.split(d, self.ranks_covering(d))
-        return self.out
-
-    def best_fit(self, doc: int) -> int | None:
-        """Among ranks that can take the document whole within both budgets, the one whose
-        remaining (cost, tokens) best matches its demand (largest normalised dot product)."""
-        n, cost = self.lengths[doc], self.prefix(self.lengths[doc])
-        fits = [
-            r
-            for r in range(self.cp)
-            if cost <= self.cost_left[r] + self.eps and n <= self.tokens_left[r] + 0.5
-        ]
-        return max(
-            fits,
-            key=lambda r: (
-                cost * self.cost_left[r] / self.cost_per_rank
-                + n * self.tokens_left[r] / self.tokens_per_rank,
-                -r,
-            ),
-            default=None,
-        )
-
-    def ranks_covering(self, doc: int) -> list[int]:
-        """The fewest ranks (most budget left first) whose cost and token budgets cover the document."""
-        n, cost = self.lengths[doc], self.prefix(self.lengths[doc])
-        chosen, cost_cover, token_cover = [], 0.0, 0.0
-        for r in sorted(range(self.cp), key=lambda r: (-self.room(r), r)):
-            chosen.append(r)
-            cost_cover += max(self.cost_left[r], 0.0)
-            token_cover += max(self.tokens_left[r], 0.0)
-            if cost_cover >= cost - self.eps and token_cover >= n - 0.5:
-                break
-        return chosen
-
-    def give(self, rank: int, doc: int, s: int, e: int) -> None:
-        if s < e:
-            self.out[rank].append(Piece(doc, s, e))
-            self.cost_left[rank] -= self.prefix(e) - self.prefix(s)
-            self.tokens_left[rank] -= e - s
-
-    def split(self, doc: int, chosen: list[int]) -> None:
-        """Head/tail pairs over ``chosen``, outside in: rank j's token count ∝ its token budget and
-        its cost ∝ its cost budget (cost wins where both cannot hold); the last takes the middle."""
-        n, cost = self.lengths[doc], self.prefix(self.lengths[doc])
-        token_room = sum(max(self.tokens_left[r], 0.0) for r in chosen)
-        cost_room = sum(max(self.cost_left[r], 0.0) for r in chosen)
-        h, t = 0, n
-        for r in chosen[:-1]:
-            t_share = (
-                max(self.tokens_left[r], 0.0) / token_room if token_room > 0 else 1 / len(chosen)
-            )
-            c_share = max(self.cost_left[r], 0.0) / cost_room if cost_room > 0 else 1 / len(chosen)
-            budget = cost * c_share
-            count = self.feasible_count(h, t, round(n * t_share), budget)
-            x = self.solve_head(h, t, count, budget)
-            self.give(r, doc, h, h + x)
-            self.give(r, doc, t - (count - x), t)
-            h, t = h + x, t - (count - x)
-        self.give(chosen[-1], doc, h, t)
-
-    def feasible_count(self, h: int, t: int, target: int, budget: float) -> int:
-        """The token count nearest ``target`` for which some head/tail pair over [h, t) costs
-        ``budget``: at least enough all-tail tokens to reach it, at most as many all-head
-        tokens as stay within it. Cost is the tighter target, so tokens give way."""
-        avail = t - h
-        lo = _first_true(0, avail, lambda c: self.prefix(t) - self.prefix(t - c) >= budget)
-        hi = _first_true(0, avail, lambda c: self.prefix(h + c) - self.prefix(h) > budget) - 1
-        return min(max(target, lo), max(hi, lo), avail)
-
-    def solve_head(self, h: int, t: int, count: int, budget: float) -> int:
-        """x in [0, count] with pair cost P(h+x)-P(h) + P(t)-P(t-count+x) closest to budget."""
-
-        def pair(x: int) -> float:
-            return self.prefix(h + x) - self.prefix(h) + self.prefix(t) - self.prefix(t - count + x)
-
-        x = min(_first_true(0, count, lambda x: pair(x) <= budget), count)
-        if x > 0 and abs(pair(x - 1) - budget) < abs(pair(x) - budget):
-            return x - 1
-        return x
-
-
-def _first_true(lo: int, hi: int, pred) -> int:
-    """Smallest c in [lo, hi] with pred(c) true (pred monotone false→true); hi + 1 if none."""
-    hi_excl = hi + 1
-    while lo < hi_excl:
-        mid = (lo + hi_excl) // 2
-        if pred(mid):
-            hi_excl = mid
-        else:
-            lo = mid + 1
-    return lo
