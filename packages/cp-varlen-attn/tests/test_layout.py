@@ -1,5 +1,6 @@
-"""Planner properties: every token owned exactly once, pieces contiguous inside one document,
-sharding then unsharding is the identity; balance and exchange metrics are what they claim."""
+"""Planner properties: every token owned exactly once, pieces contiguous inside one document and
+in document order, sharding then unsharding is the identity; ``balanced`` meets its bounds; the
+layout's reports equal an independent token-by-token recount."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import cu_from_lengths
 
-from cp_varlen_attn import STRATEGIES, Piece, plan_cp_layout, shard_sequence, unshard_sequence
+from cp_varlen_attn import (
+    PAIR_BOUND,
+    STRATEGIES,
+    TOKEN_BOUND,
+    Piece,
+    plan_cp_layout,
+    shard_sequence,
+    unshard_sequence,
+)
 
 lengths_st = st.lists(st.integers(1, 40), min_size=1, max_size=25)
 
@@ -63,9 +72,9 @@ def test_kv_rows_needed_counts_earlier_foreign_tokens():
 
 
 def test_one_long_document_is_balanced_exactly():
-    layout = plan_cp_layout(cu_from_lengths([4096]), 4, strategy="balanced", token_weight=0.0)
-    assert layout.compute_imbalance < 1.01
-    assert layout.token_imbalance < 1.02
+    layout = plan_cp_layout(cu_from_lengths([4096]), 4, strategy="balanced")
+    assert layout.pair_imbalance < 1.001
+    assert layout.token_imbalance == 1.0
 
 
 def test_short_documents_stay_whole():
@@ -73,6 +82,7 @@ def test_short_documents_stay_whole():
     assert all(p.start == 0 and p.end == 100 for pcs in layout.pieces for p in pcs)
     assert sum(layout.kv_bytes(1)) == 0
     assert layout.compute_imbalance == pytest.approx(1.0)
+    assert layout.balance_misses == ()
 
 
 def test_bad_input():
@@ -93,3 +103,94 @@ def test_bad_input():
         shard_sequence(torch.zeros(1, 9), layout, 2)
     with pytest.raises(ValueError, match="got 1 shards"):
         unshard_sequence([torch.zeros(1, 4)], layout)
+
+
+def _recount(layout):
+    """Per rank: causal pairs, tokens and K/V rows needed, counted token by token."""
+    cu = layout.cu_seqlens
+    doc_of = {}
+    for d in range(layout.num_docs):
+        for pos in range(cu[d], cu[d + 1]):
+            doc_of[pos] = d
+    owner = {}
+    for r in range(layout.cp_size):
+        for pos in layout.positions(r).tolist():
+            owner[pos] = r
+    pairs, tokens, kv = [], [], []
+    for r in range(layout.cp_size):
+        mine = layout.positions(r).tolist()
+        pairs.append(sum(pos - cu[doc_of[pos]] + 1 for pos in mine))
+        tokens.append(len(mine))
+        needed = {key for pos in mine for key in range(cu[doc_of[pos]], pos + 1) if owner[key] != r}
+        kv.append(len(needed))
+    return pairs, tokens, kv
+
+
+def _imb(values):
+    return max(values) / (sum(values) / len(values)) if sum(values) else 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths_st, st.integers(1, 6), st.sampled_from(STRATEGIES))
+def test_reports_equal_an_independent_recount(lengths, cp, strategy):
+    layout = plan_cp_layout(cu_from_lengths(lengths), cp, strategy=strategy)
+    pairs, tokens, kv = _recount(layout)
+    assert layout.rank_pairs() == pairs
+    assert layout.pair_imbalance == pytest.approx(_imb(pairs))
+    assert layout.token_imbalance == pytest.approx(_imb(tokens))
+    assert list(layout.kv_rows_received) == kv
+    gathered = sum(layout.seq_len - n for n in tokens)
+    assert layout.kv_fraction == pytest.approx(sum(kv) / gathered if gathered else 0.0)
+    a, b = 3.0, 7.0
+    ideal = (a * sum(pairs) + b * sum(tokens)) / cp
+    assert layout.step_time_ratio(a, b) == pytest.approx((a * max(pairs) + b * max(tokens)) / ideal)
+    missed = [
+        name
+        for name, v, bound in (
+            ("pairs", _imb(pairs), PAIR_BOUND),
+            ("tokens", _imb(tokens), TOKEN_BOUND),
+        )
+        if v > bound
+    ]
+    assert [m.split()[0] for m in layout.balance_misses] == missed
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths_st, st.integers(1, 8))
+def test_balanced_pieces_are_few_and_in_document_order(lengths, cp):
+    layout = plan_cp_layout(cu_from_lengths(lengths), cp, strategy="balanced")
+    cu = layout.cu_seqlens
+    split = set()
+    for pieces in layout.pieces:
+        per_doc = {}
+        for p, q in zip(pieces, pieces[1:]):
+            assert cu[p.doc] + p.end <= cu[q.doc] + q.start  # global order, no overlap
+            assert not (p.doc == q.doc and p.end == q.start)  # touching pieces are merged
+        for p in pieces:
+            per_doc[p.doc] = per_doc.get(p.doc, 0) + 1
+            if len(p) < lengths[p.doc]:
+                split.add(p.doc)
+        assert max(per_doc.values(), default=0) <= 2  # a head and a tail at most
+    assert len(split) <= 2 * (cp - 1)
+
+
+# Packs big enough for the bounds: documents of 1..3000 tokens, at least 256 tokens per rank.
+big_pack_st = st.lists(st.integers(1, 3000), min_size=1, max_size=80).filter(
+    lambda x: sum(x) >= 256 * 8
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(big_pack_st, st.sampled_from([2, 3, 4, 8]))
+def test_balanced_meets_both_bounds_on_random_packs(lengths, cp):
+    layout = plan_cp_layout(cu_from_lengths(lengths), cp, strategy="balanced")
+    assert layout.balance_misses == ()
+    assert layout.pair_imbalance <= PAIR_BOUND and layout.token_imbalance <= TOKEN_BOUND
+    assert layout.padding_tokens == 0
+
+
+def test_a_pack_that_cannot_be_balanced_says_so():
+    layout = plan_cp_layout(cu_from_lengths([1, 1, 1]), 4, strategy="balanced")
+    assert layout.local_len(3) == 0 or layout.token_imbalance > TOKEN_BOUND
+    (miss,) = [m for m in layout.balance_misses if m.startswith("tokens")]
+    assert f"> {TOKEN_BOUND}" in miss and "(+" in miss
