@@ -1,5 +1,6 @@
-"""Under CP (gloo, 2 and 4 ranks, every layout strategy plus a hand-made layout whose pieces sit
-out of rank order and back to back on one rank): gated_delta_rule equals the single-rank packed
+"""Under CP (gloo, 2, 4 and — for the gated delta rule's prefix scan — 8 ranks, every layout
+strategy plus a hand-made layout whose pieces sit out of rank order and back to back on one
+rank): gated_delta_rule equals the single-rank packed
 result forward and backward (q, k, v, g, beta, initial_state, final state); causal_conv1d equals
 F.conv1d per document; a tiny transformers Qwen3_5MoeGatedDeltaNet run per document equals the
 CP-sharded run through packed_gated_deltanet_forward."""
@@ -198,12 +199,14 @@ CORE += [check_wrong_local_length_raises_on_every_rank, check_different_layouts_
 HF = [
     named_check(f"check_hf_layer_{name}", check_hf_layer, name) for name in ("balanced", "shuffled")
 ]
-CHECKS = {2: CORE + HF, 4: CORE}
+# CP=8: the prefix scan over up to 15 runs of one document (4 rounds), GDN only.
+PREFIX = [c for c in CORE if c.__name__.startswith("check_gdn_")]
+CHECKS = {2: CORE + HF, 4: CORE, 8: PREFIX}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"cp{w}")
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda w: f"cp{w}")
 def report(request):
-    return run_checks(CHECKS[request.param], request.param, timeout=120)
+    return run_checks(CHECKS[request.param], request.param, timeout=180)
 
 
 @pytest.mark.parametrize("check", CORE + HF, ids=lambda c: c.__name__)

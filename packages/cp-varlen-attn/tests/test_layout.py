@@ -4,6 +4,8 @@ layout's reports equal an independent token-by-token recount."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -163,7 +165,7 @@ def test_balanced_pieces_are_few_and_in_document_order(lengths, cp):
     split = set()
     for pieces in layout.pieces:
         per_doc = {}
-        for p, q in zip(pieces, pieces[1:]):
+        for p, q in itertools.pairwise(pieces):
             assert cu[p.doc] + p.end <= cu[q.doc] + q.start  # global order, no overlap
             assert not (p.doc == q.doc and p.end == q.start)  # touching pieces are merged
         for p in pieces:
