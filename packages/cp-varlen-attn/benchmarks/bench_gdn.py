@@ -5,12 +5,11 @@
    ``torch_chunk_gated_delta_rule`` called document by document (its fallback refuses
    ``cu_seqlens``, so per-document calls are the exact alternative), forward and
    forward + backward. Both outputs are compared, so the timing is of equal results.
-2. Bytes each rank receives per GDN layer under CP for 128K packs at CP = 8 and 32 (max over
-   ranks): the affine piece summaries (fp32 [H_v, K, K + V] per received piece, one uneven
-   all-to-all) vs all-gathering the layer's per-token inputs (q, k, v, g, beta in bf16). Head
-   sizes: Qwen3.5-35B-A3B's GDN, 16 key heads / 32 value heads of 128 (REFERENCE.md: the
-   transformers config default); and 16 / 64 heads of 128 as our assumption for 122B-A10B,
-   whose published config is not in this repository — treat that row as unconfirmed.
+2. Bytes each rank receives per GDN layer under CP for the 131,072-token packs of ``packs.py``
+   (seed 0) at CP = 8 and 32 (max over ranks): the affine summaries of the prefix scan (fp32
+   [H_v, K, K + V] each, ``rounds`` uneven all-to-alls) vs all-gathering the layer's per-token
+   inputs (q, k, v, g, beta in bf16). Head sizes (REFERENCE.md): Qwen3.5-35B-A3B's GDN, 16 key
+   heads / 32 value heads of 128; 122B-A10B's, 16 / 64 heads of 128.
 
     python benchmarks/bench_gdn.py
 """
@@ -22,11 +21,11 @@ import random
 import time
 
 import torch
-from bench_layouts import cu_of, long_tailed, one_document, video_plus_short
+from packs import KINDS, cu_of, pack
 
 from cp_varlen_attn import gated_delta_rule, plan_cp_layout, plan_summaries
 
-HEADS = {"35B-A3B (16/32x128)": (16, 32, 128, 128), "122B-A10B? (16/64x128)": (16, 64, 128, 128)}
+HEADS = {"35B-A3B (16/32x128)": (16, 32, 128, 128), "122B-A10B (16/64x128)": (16, 64, 128, 128)}
 
 
 def _timed(fn, repeat: int = 3) -> float:
@@ -101,28 +100,23 @@ def time_table() -> None:
 
 
 def bytes_table() -> None:
-    packs = {
-        "long-tailed": long_tailed(0),
-        "one 128K doc": one_document(),
-        "video + short": video_plus_short(0),
-    }
-    print("\nBytes received per rank per GDN layer, 128K tokens (max over ranks)")
-    header = f"{'heads':<24}{'pack':<15}{'cp':>3}  {'strategy':<11}{'recv pcs':>9}{'summaries':>11}{'all-gather':>12}{'ratio':>8}"
+    print("\nBytes received per rank per GDN layer, 131,072 tokens (max over ranks)")
+    header = f"{'heads':<24}{'pack':<15}{'cp':>3}  {'strategy':<11}{'rounds':>7}{'recv':>6}{'summaries':>11}{'all-gather':>12}{'ratio':>8}"
     print(header)
     print("-" * len(header))
     for heads_name, (hk, hv, dk, dv) in HEADS.items():
         token_bytes = 2 * (2 * hk * dk + hv * dv + 2 * hv)  # q, k, v, g, beta in bf16
-        for pack_name, lengths in packs.items():
-            cu = cu_of(lengths)
+        for kind in KINDS:
+            cu = cu_of(pack(kind, 0))
             for cp in (8, 32):
                 for strategy in ("contiguous", "zigzag", "balanced"):
                     layout = plan_cp_layout(cu, cp, strategy=strategy)
                     plan = plan_summaries(layout)
                     summary = max(plan.summary_bytes_per_rank(hv, dk, dv))
                     gather = max(layout.all_gather_kv_bytes(token_bytes))
-                    exported = max(plan.received(r) for r in range(cp))
+                    received = max(plan.received(r) for r in range(cp))
                     print(
-                        f"{heads_name:<24}{pack_name:<15}{cp:>3}  {strategy:<11}{exported:>9}"
+                        f"{heads_name:<24}{kind:<15}{cp:>3}  {strategy:<11}{plan.collectives:>7}{received:>6}"
                         f"{summary / 2**20:>9.0f}Mi{gather / 2**20:>10.0f}Mi{summary / gather:>8.3f}"
                     )
 
