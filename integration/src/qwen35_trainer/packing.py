@@ -43,6 +43,7 @@ from cp_varlen_attn import (
     packed_gated_deltanet_forward,
     plan_cp_layout,
     shard_sequence,
+    validate_layout,
     varlen_attention,
 )
 from cp_vision import run_vision_sharded
@@ -183,6 +184,9 @@ def packed_hidden_states(
         embeds = embeds.masked_scatter(mask, image_embeds)
     layout, group = packed.layout, packed.group
     rank = dist.get_rank(group) if group is not None else 0
+    # one agreement on the row's layout for the whole step: the CP calls in every layer (and
+    # in activation-checkpoint recomputes) then run no validation collective
+    validate_layout(layout, group)
     out = vlm.language_model(
         inputs_embeds=shard_sequence(embeds, layout, rank, dim=1),
         position_ids=shard_sequence(packed.position_ids, layout, rank, dim=2),
