@@ -3,7 +3,8 @@
 The model is transformers' own ``Qwen3_5MoeForConditionalGeneration`` (vision tower, hybrid
 Gated-DeltaNet / attention decoder, multimodal RoPE, ``lm_head``), so HF checkpoints load as
 they are and transformers stays the parity oracle. Every ``Qwen3_5MoeSparseMoeBlock`` is then
-replaced by :class:`moe_parallel.MoE` holding the same tensors under the same names
+replaced by :class:`moe_parallel.MoE` (:func:`moe_parallel.swap_moe_blocks`) holding the same
+tensors under the same names
 (``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``, ``shared_expert.*``,
 ``shared_expert_gate.weight``): the state dict does not change, and the block gains dropless
 expert parallelism, zero grads for idle experts and per-step router statistics.
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe_parallel import MoE
+from moe_parallel import MoE, swap_moe_blocks
 from qwen35_trainer.recipe import ModelRecipe
 
 __all__ = ["build_config", "build_model", "moe_blocks", "swap_moe_blocks"]
@@ -53,30 +54,6 @@ def build_config(spec: ModelRecipe) -> Any:
     if outside:
         raise ValueError(f"model token ids {outside} lie outside the vocabulary [0, {vocab})")
     return config
-
-
-def swap_moe_blocks(model: nn.Module, *, expert_backend: str = "auto") -> list[str]:
-    """Replace every transformers ``Qwen3_5MoeSparseMoeBlock`` by an equal :class:`MoE`.
-
-    The new block is built from the text config and loads the old block's state dict strictly,
-    on the old block's device and dtype. Returns the replaced module paths; raises if there are
-    none (a model without those blocks is not a Qwen3.5 MoE model).
-    """
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
-
-    blocks = [(p, m) for p, m in model.named_modules() if isinstance(m, Qwen3_5MoeSparseMoeBlock)]
-    if not blocks:
-        raise ValueError(f"{type(model).__name__} has no Qwen3_5MoeSparseMoeBlock to replace")
-    swapped = []
-    for path, block in blocks:
-        ours = MoE.from_config(model.config, expert_backend=expert_backend)
-        reference = next(block.parameters())
-        ours.to(device=reference.device, dtype=reference.dtype)
-        ours.load_state_dict(block.state_dict(), strict=True)
-        parent_path, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), name, ours)
-        swapped.append(path)
-    return swapped
 
 
 def moe_blocks(model: nn.Module) -> list[MoE]:

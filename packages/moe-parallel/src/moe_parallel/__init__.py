@@ -7,6 +7,7 @@ from moe_parallel.grad_scale import scale_expert_grads
 from moe_parallel.grouped import expert_swiglu
 from moe_parallel.moe import MoE, MoEStats, load_balancing_loss
 from moe_parallel.tensor_parallel import apply_tensor_parallel, validate_tp_plan
+from moe_parallel.transformers import swap_moe_blocks
 
 __version__ = "0.1.0"
 
@@ -22,5 +23,6 @@ __all__ = [
     "load_balancing_loss",
     "scale_expert_grads",
     "sdpa_preserving_context",
+    "swap_moe_blocks",
     "validate_tp_plan",
 ]
