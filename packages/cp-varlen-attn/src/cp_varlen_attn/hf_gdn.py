@@ -20,7 +20,12 @@ from cp_varlen_attn.conv import causal_conv1d
 from cp_varlen_attn.gated_delta import gated_delta_rule
 from cp_varlen_attn.layout import CPLayout
 
-__all__ = ["packed_gated_deltanet_forward"]
+__all__ = ["GDN_ATTRIBUTES", "packed_gated_deltanet_forward"]
+
+# What this forward reads from transformers' layer (checked before a model is adapted).
+GDN_ATTRIBUTES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log",
+                  "dt_bias", "norm", "out_proj", "key_dim", "value_dim", "num_k_heads",
+                  "num_v_heads", "head_k_dim", "head_v_dim", "activation")  # fmt: skip
 
 
 def packed_gated_deltanet_forward(
