@@ -40,7 +40,7 @@ def test_export_after_training_loads_in_transformers(tmp_path):
     r = tiny("train.steps=2", f"train.export_dir={tmp_path}")
     assert r.data.packing
     result = train(r)
-    assert "qwen35_packed" not in (tmp_path / "config.json").read_text()
+    assert "cp_varlen_attn" not in (tmp_path / "config.json").read_text()
     loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path)
     trained = result.objective.model.state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
