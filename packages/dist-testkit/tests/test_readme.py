@@ -24,7 +24,8 @@ not run
 import torch.distributed as dist
 
 dist.init_process_group("gloo")
-print("rank", dist.get_rank())
+print("rank", dist.get_rank(), flush=True)
+dist.destroy_process_group()
 ```
 """
 
@@ -34,7 +35,8 @@ def test_examples_are_the_python_blocks_with_their_lines(tmp_path):
     first, second = readme_examples(tmp_path / "README.md")
     assert (first.line, first.code, first.nproc) == (4, 'print("one")\n', None)
     assert second.line == 12 and second.nproc == 2
-    assert "rank 1" in run_example(second, timeout=120)
+    output = run_example(second, timeout=120)
+    assert "rank 1" in output, output
 
 
 def test_a_failing_example_names_its_line_and_shows_its_output(tmp_path):
