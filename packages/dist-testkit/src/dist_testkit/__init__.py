@@ -15,7 +15,7 @@ from dist_testkit.compare import assert_close, assert_grads_close, full
 from dist_testkit.launch import Outcome, RankError, launch, report_progress, run_ranks
 from dist_testkit.mesh import make_mesh
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CheckReport",

@@ -9,7 +9,7 @@ from moe_parallel.moe import MoE, MoEStats, load_balancing_loss
 from moe_parallel.tensor_parallel import apply_tensor_parallel, validate_tp_plan
 from moe_parallel.transformers import swap_moe_blocks
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "MoE",
