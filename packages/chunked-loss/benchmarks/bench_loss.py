@@ -20,7 +20,8 @@ inputs exist) minus the RSS then, on CUDA the allocator's peak minus the bytes t
 it includes the weight and hidden gradients (every variant makes them) and, for compiled
 variants, whatever compiling costs in the first call. Time is the SECOND call's. A variant whose
 estimated peak exceeds the free memory is skipped with that reason; one that cannot be
-imported or fails is reported with its error. Ratios are against the fastest peer (time) and
+imported or fails is reported with its error (``FREE_FRACTION``: the share of free memory a
+variant may take). Ratios are against the fastest peer (time) and
 that same peer (memory); the last lines check the package against the issue's targets.
 
     python benchmarks/bench_loss.py --tokens 4096 --hidden 1024      # the target point
@@ -42,6 +43,9 @@ import torch
 import torch.nn.functional as F
 
 MIB = 1 << 20
+# A variant runs only if its estimated peak is below this share of the free memory: the rest is
+# left to whatever else runs on the machine.
+FREE_FRACTION = 0.7
 PEERS = ("torchtitan", "torchtune", "cce", "cce-triton", "liger")
 GPU_ONLY = ("cce-triton", "liger")
 DEFAULT = ("naive", "chunked-loss", "chunked-loss-eager", "torchtitan", "torchtune", "cce")
@@ -117,15 +121,16 @@ PRELOAD = {
 
 
 def estimate_bytes(variant: str, n: int, h: int, v: int, size: int) -> int:
-    """Rough peak above the inputs (from this script's own measurements at N = 4096), used only
-    to skip variants that cannot fit: [N, V] fp32 tensors alive at once, plus the gradients."""
+    """Rough peak above the inputs, from this script's own CPU fp32 measurements at N = 4096
+    (naive 3, torchtune 2, CCE 1.1, torchtitan 0.55 [N, V] fp32 tensors, plus the gradients),
+    used only to skip variants that cannot fit."""
     grads = (v + n) * h * 4
     full = n * v * 4
     per_variant = {
         "naive": 3 * full,
         "torchtune": 2 * full,
-        "cce": 2 * full,
-        "torchtitan": full // 2,
+        "cce": full + full // 10,
+        "torchtitan": full // 2 + full // 20,
         "liger": 2 * n * h * size,
         "cce-triton": n * 8,
     }
@@ -255,7 +260,7 @@ def main() -> None:
     )
     header = (
         f"| {'N':>5} | {'H':>5} | {'variant':<18} | {'peak MiB':>9} | {'time s':>7} | "
-        f"{'mem/peer':>8} | {'time/peer':>9} | {'loss':>8} | {'|dW|':>9} | {'load':>4} |"
+        f"{'mem/peer':>8} | {'time/peer':>9} | {'loss':>8} | {'norm dW':>9} | {'load':>4} |"
     )
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
@@ -267,7 +272,7 @@ def main() -> None:
                 need = estimate_bytes(v, n, h_dim, args.vocab, size)
                 if missing[v]:
                     results[v] = {"error": f"skipped: {missing[v]}"}
-                elif need > 0.85 * free_bytes(args.device):
+                elif need > FREE_FRACTION * free_bytes(args.device):
                     results[v] = {
                         "error": f"skipped: needs ~{need / MIB:,.0f} MiB, "
                         f"{free_bytes(args.device) / MIB:,.0f} MiB free"

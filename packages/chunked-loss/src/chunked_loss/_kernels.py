@@ -118,9 +118,6 @@ def _try_compiled(index: int, choice: bool | None, *args) -> tuple[bool, object]
     device = args[0].device
     if not use_compiled(choice, device):
         return False, None
-    # The [C] vectors are slices of [M] ones: pass copies (C floats), or Dynamo guards on their
-    # storage offsets and recompiles for every chunk position.
-    args = (args[0], *(a.clone() if a._base is not None else a for a in args[1:]))
     try:
         return True, _compiled()[index](*args)
     except _compat.compile_errors() as err:
