@@ -150,3 +150,19 @@ def test_matmuls_per_chunk(bias):
         with MatmulCounter() as bwd:
             loss.backward()
         assert (fwd.count, bwd.count) == (forward, backward), gif
+
+
+def test_dispatch_mode_uses_eager_and_logs_once(monkeypatch, caplog):
+    """Dynamo does not compile under a TorchDispatchMode (a FLOP counter, say): auto mode runs
+    the exact eager kernels and says so once; compiled=True raises."""
+    monkeypatch.setattr(_kernels, "_logged_dispatch_mode", [])
+    hidden, weight, bias, labels = make_inputs(12, 4, 9)
+    ref_loss, _ = reference(hidden, weight, labels, bias=bias)
+    with caplog.at_level(logging.WARNING, logger="chunked_loss"), MatmulCounter():
+        for _ in range(2):
+            loss = linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_size=5)
+            assert_close(loss, ref_loss, **TOL)
+        with pytest.raises(RuntimeError, match="TorchDispatchMode is active"):
+            linear_cross_entropy(hidden, weight, labels, bias=bias, compiled=True)
+    messages = [r.getMessage() for r in caplog.records if r.name == "chunked_loss"]
+    assert len(messages) == 1 and "TorchDispatchMode" in messages[0], messages
