@@ -21,7 +21,9 @@ it includes the weight and hidden gradients (every variant makes them) and, for 
 variants, whatever compiling costs in the first call. Time is the SECOND call's. A variant whose
 estimated peak exceeds the free memory is skipped with that reason; one that cannot be
 imported or fails is reported with its error (``FREE_FRACTION``: the share of free memory a
-variant may take). Ratios are against the fastest peer (time) and
+variant may take). ``--rounds R`` runs the whole set R times, interleaved, and keeps each
+variant's fastest second call and largest peak: on a shared machine the other jobs' load
+changes from one variant to the next. Ratios are against the fastest peer (time) and
 that same peer (memory); the last lines check the package against the issue's targets.
 
     python benchmarks/bench_loss.py --tokens 4096 --hidden 1024      # the target point
@@ -243,6 +245,13 @@ def main() -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per variant subprocess")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every variant this many times, interleaved; report the fastest timed call "
+        "and the largest peak (damps the load of other jobs on a shared machine)",
+    )
     p.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -256,7 +265,9 @@ def main() -> None:
     size = {"fp32": 4, "bf16": 2}[args.dtype]
     print(
         f"device={args.device} dtype={args.dtype} V={args.vocab} threads={args.threads} "
-        f"torch={torch.__version__}; time = 2nd forward+backward, peak = above the inputs"
+        f"torch={torch.__version__}; time = 2nd forward+backward"
+        + (f" (fastest of {args.rounds} rounds)" if args.rounds > 1 else "")
+        + ", peak = above the inputs"
     )
     header = (
         f"| {'N':>5} | {'H':>5} | {'variant':<18} | {'peak MiB':>9} | {'time s':>7} | "
@@ -268,25 +279,29 @@ def main() -> None:
     for h_dim in args.hidden:
         for n in args.tokens:
             results = {}
-            for v in variants:
-                need = estimate_bytes(v, n, h_dim, args.vocab, size)
-                if missing[v]:
-                    results[v] = {"error": f"skipped: {missing[v]}"}
-                elif need > FREE_FRACTION * free_bytes(args.device):
-                    results[v] = {
-                        "error": f"skipped: needs ~{need / MIB:,.0f} MiB, "
-                        f"{free_bytes(args.device) / MIB:,.0f} MiB free"
-                    }
-                else:
-                    results[v] = run_variant(args, v, n, h_dim)
-                    if "error" not in results[v]:
-                        r = results[v]
-                        print(
-                            f"  ({v} N={n} H={h_dim}: {r['peak'] / MIB:,.0f} MiB, "
-                            f"{r['time']:.1f} s, first call {r['first']:.1f} s)",
-                            file=sys.stderr,
-                            flush=True,
-                        )
+            for round_ in range(args.rounds):
+                for v in variants:
+                    if "error" in results.get(v, {}):
+                        continue
+                    need = estimate_bytes(v, n, h_dim, args.vocab, size)
+                    if missing[v]:
+                        results[v] = {"error": f"skipped: {missing[v]}"}
+                    elif need > FREE_FRACTION * free_bytes(args.device):
+                        results[v] = {
+                            "error": f"skipped: needs ~{need / MIB:,.0f} MiB, "
+                            f"{free_bytes(args.device) / MIB:,.0f} MiB free"
+                        }
+                    else:
+                        r = run_variant(args, v, n, h_dim)
+                        if "error" not in r:
+                            print(
+                                f"  (round {round_ + 1}: {v} N={n} H={h_dim}: "
+                                f"{r['peak'] / MIB:,.0f} MiB, {r['time']:.1f} s, first call "
+                                f"{r['first']:.1f} s)",
+                                file=sys.stderr,
+                                flush=True,
+                            )
+                        results[v] = _merge(results.get(v), r)
             summary.append(_print_rows(n, h_dim, results))
     print(
         "mem/peer, time/peer: this row / the fastest peer at that (N, H); peers = "
@@ -295,6 +310,15 @@ def main() -> None:
     for line in summary:
         if line:
             print(line)
+
+
+def _merge(best: dict | None, new: dict) -> dict:
+    """Over rounds: the fastest timed call (with its load) and the largest peak; an error
+    in any round is reported."""
+    if best is None or "error" in new:
+        return new
+    fastest = new if new["time"] < best["time"] else best
+    return {**fastest, "peak": max(best["peak"], new["peak"])}
 
 
 def _print_rows(n: int, h_dim: int, results: dict) -> str | None:
