@@ -1,6 +1,7 @@
-"""Multi-rank parity on gloo: vocab-parallel (TP=2, TP=4, uneven and empty shards, 2-D mesh),
-FSDP2-sharded lm_head through LinearCrossEntropy, and global-token normalisation over DP ranks
-and micro-batches. One launch per world size runs every check."""
+"""Multi-rank parity on gloo: vocab-parallel (TP=2, TP=4, uneven and empty shards, 2-D mesh) on
+both paths (gradients in forward: 3 matmuls per chunk, counted; recompute), FSDP2-sharded
+lm_head through LinearCrossEntropy, and global-token normalisation over DP ranks and
+micro-batches. One launch per world size runs every check."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from _count import MatmulCounter
 from _reference import make_inputs, reference
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -20,7 +22,9 @@ from dist_testkit import assert_close, full, make_mesh, run_checks
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
-def _vocab_parallel_case(mesh, tp_dim, v, *, seed, bias, reduction, smoothing, ignore_frac=0.3):
+def _vocab_parallel_case(
+    mesh, tp_dim, v, *, seed, bias, reduction, smoothing, ignore_frac=0.3, **path
+):
     hidden, weight, b, labels = make_inputs(23, 8, v, seed=seed, bias=bias, ignore_frac=ignore_frac)
     placements = [Replicate()] * mesh.ndim
     placements[tp_dim] = Shard(0)
@@ -28,7 +32,14 @@ def _vocab_parallel_case(mesh, tp_dim, v, *, seed, bias, reduction, smoothing, i
     b_dt = nn.Parameter(distribute_tensor(b, mesh, placements)) if bias else None
     h = hidden.clone().requires_grad_()
     loss = linear_cross_entropy(
-        h, w_dt, labels, bias=b_dt, chunk_size=5, reduction=reduction, label_smoothing=smoothing
+        h,
+        w_dt,
+        labels,
+        bias=b_dt,
+        chunk_size=5,
+        reduction=reduction,
+        label_smoothing=smoothing,
+        **path,
     )
     grad_out = torch.randn(loss.shape, generator=torch.Generator().manual_seed(seed + 1))
     loss.backward(grad_out)
@@ -41,7 +52,7 @@ def _vocab_parallel_case(mesh, tp_dim, v, *, seed, bias, reduction, smoothing, i
         label_smoothing=smoothing,
         grad_out=grad_out,
     )
-    name = f"V={v} bias={bias} {reduction} eps={smoothing}"
+    name = f"V={v} bias={bias} {reduction} eps={smoothing} {path}"
     assert_close(loss, ref_loss, name=f"loss {name}", **TOL)
     assert_close(h.grad, ref_grads[0], name=f"grad_hidden {name}", **TOL)
     assert_close(full(w_dt.grad), ref_grads[1], name=f"grad_weight {name}", **TOL)
@@ -51,7 +62,9 @@ def _vocab_parallel_case(mesh, tp_dim, v, *, seed, bias, reduction, smoothing, i
 
 
 def check_vocab_parallel_parity():
-    """Every rank holds the same tokens; V is split unevenly (the last shard may be empty)."""
+    """Every rank holds the same tokens; V is split unevenly (the last shard may be empty). Each
+    case runs on both paths (gradients in forward for the scalar reductions, and recompute),
+    with compiled and eager kernels in turn."""
     world = dist.get_world_size()
     mesh = make_mesh((world,), ("tp",))
     local_rows = []
@@ -64,12 +77,40 @@ def check_vocab_parallel_parity():
             (32, False, "none", 0.0),
         ]
     ):
-        local_rows.append(
-            _vocab_parallel_case(
-                mesh, 0, v, seed=10 + i, bias=bias, reduction=reduction, smoothing=smoothing
+        case = {"seed": 10 + i, "bias": bias, "reduction": reduction, "smoothing": smoothing}
+        for gif in (True, False) if reduction != "none" else (False,):
+            rows = _vocab_parallel_case(
+                mesh, 0, v, grad_in_forward=gif, compiled=(i + gif) % 2 == 0, **case
             )
-        )
+        local_rows.append(rows)
     return local_rows
+
+
+def check_vocab_parallel_three_matmuls():
+    """Gradients in forward on the TP path: exactly 3 matmuls per chunk in the forward and none
+    in the backward (recompute: 1 + 3), and the unsharded loss and gradients."""
+    mesh = make_mesh((dist.get_world_size(),), ("tp",))
+    hidden, weight, b, labels = make_inputs(23, 8, 29, seed=3, ignore_frac=0.3)
+    chunks = -(-int((labels != -100).sum()) // 4)
+    ref_loss, ref_grads = reference(hidden, weight, labels, bias=b)
+    counts = []
+    for gif in (True, False):
+        w_dt = nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
+        b_dt = nn.Parameter(distribute_tensor(b, mesh, [Shard(0)]))
+        h = hidden.clone().requires_grad_()
+        with MatmulCounter() as fwd:
+            loss = linear_cross_entropy(
+                h, w_dt, labels, bias=b_dt, chunk_size=4, grad_in_forward=gif, compiled=False
+            )
+        with MatmulCounter() as bwd:
+            loss.backward()
+        counts.append((fwd.count, bwd.count))
+        assert_close(loss, ref_loss, name=f"loss gif={gif}", **TOL)
+        assert_close(h.grad, ref_grads[0], name=f"grad_hidden gif={gif}", **TOL)
+        assert_close(full(w_dt.grad), ref_grads[1], name=f"grad_weight gif={gif}", **TOL)
+        assert_close(full(b_dt.grad), ref_grads[2], name=f"grad_bias gif={gif}", **TOL)
+    assert counts == [(3 * chunks, 0), (chunks, 3 * chunks)], (counts, chunks)
+    return counts
 
 
 def check_vocab_parallel_all_ignored():
@@ -97,8 +138,11 @@ def check_vocab_parallel_errors_are_agreed():
     expected = "first 13" if dist.get_rank() == world - 1 else "another rank of the TP group"
     assert expected in str(info.value), str(info.value)
     labels[0] = 0
-    with pytest.raises(ValueError, match="grad_in_forward=True is not available for a vocab-par"):
-        linear_cross_entropy(hidden, w_dt, labels, grad_in_forward=True)
+    # Only rank 0's hidden requires grad: auto mode would pick different paths (and different
+    # collectives); every rank raises instead of hanging.
+    h = hidden.clone().requires_grad_(dist.get_rank() == 0)
+    with pytest.raises(ValueError, match="resolved grad_in_forward differently"):
+        linear_cross_entropy(h, w_dt, labels)
     dist.barrier()
 
 
@@ -107,7 +151,10 @@ def check_vocab_parallel_2d_mesh():
     world = dist.get_world_size()
     mesh = make_mesh((2, world // 2), ("dp", "tp"))
     seed = 100 + mesh.get_local_rank(0)
-    return _vocab_parallel_case(mesh, 1, 17, seed=seed, bias=True, reduction="mean", smoothing=0.1)
+    case = {"seed": seed, "bias": True, "reduction": "mean", "smoothing": 0.1}
+    for gif in (True, False):
+        rows = _vocab_parallel_case(mesh, 1, 17, grad_in_forward=gif, compiled=gif, **case)
+    return rows
 
 
 def _fsdp_case(shard_head_only: bool, grad_in_forward: bool):
@@ -190,6 +237,7 @@ def check_num_valid_tokens_dp_microbatches():
 
 WORLD2 = [
     check_vocab_parallel_parity,
+    check_vocab_parallel_three_matmuls,
     check_vocab_parallel_all_ignored,
     check_vocab_parallel_errors_are_agreed,
     check_fsdp_loss_module_unit,

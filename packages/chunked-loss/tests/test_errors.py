@@ -65,6 +65,7 @@ def call(**overrides):
         ({"chunk_size": 0}, ValueError, "chunk_size must be positive, got 0"),
         ({"chunk_size": -3}, ValueError, "chunk_size must be positive, got -3"),
         ({"chunk_size": 2.5}, TypeError, "chunk_size must be an int or None, got float"),
+        ({"compiled": "yes"}, TypeError, "compiled must be a bool or None, got str"),
         (
             {"reduction": "avg"},
             ValueError,

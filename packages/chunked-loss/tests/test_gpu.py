@@ -18,11 +18,18 @@ pytestmark = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gif", [True, False], ids=["grad_in_forward", "recompute"])
-def test_cuda_parity(dtype, gif):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_cuda_parity(dtype, gif, compiled):
     hidden, weight, bias, labels = make_inputs(300, 64, 1001)
     leaves = [t.cuda().to(dtype).requires_grad_() for t in (hidden, weight, bias)]
     loss = linear_cross_entropy(
-        leaves[0], leaves[1], labels.cuda(), bias=leaves[2], chunk_size=64, grad_in_forward=gif
+        leaves[0],
+        leaves[1],
+        labels.cuda(),
+        bias=leaves[2],
+        chunk_size=64,
+        grad_in_forward=gif,
+        compiled=compiled,
     )
     loss.backward()
     rounded = [t.detach().float().cpu() for t in leaves]  # the same (bf16-rounded) inputs
@@ -44,13 +51,16 @@ def _peak_extra(fn, *tensors):
 
 
 @pytest.mark.parametrize("gif", [True, False], ids=["grad_in_forward", "recompute"])
-def test_cuda_peak_memory_is_bounded(gif):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_cuda_peak_memory_is_bounded(gif, compiled):
     n, h, v = 8192, 256, 32000
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, v, (n,), device="cuda")
     ours = _peak_extra(
-        lambda a, b: linear_cross_entropy(a, b, labels, chunk_size=512, grad_in_forward=gif),
+        lambda a, b: linear_cross_entropy(
+            a, b, labels, chunk_size=512, grad_in_forward=gif, compiled=compiled
+        ),
         hidden,
         weight,
     )

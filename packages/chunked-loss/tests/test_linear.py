@@ -1,8 +1,10 @@
 """linear_cross_entropy vs F.cross_entropy on full float64 logits: values and all gradients.
 
-Every parity test runs on both paths: ``grad_in_forward=True`` (gradients formed in the forward,
-scalar reductions only) and ``False`` (backward recomputes each chunk). For ``reduction="none"``
-the first must raise, so those cases check the error instead."""
+Every parity test runs on both paths, ``grad_in_forward=True`` (gradients formed in the forward,
+scalar reductions only) and ``False`` (backward recomputes each chunk), each with the compiled
+per-chunk kernels (``compiled=True``: a fallback would raise, so these really test Inductor's
+kernels) and the eager ones. For ``reduction="none"`` the first path must raise, so those cases
+check the error instead."""
 
 from __future__ import annotations
 
@@ -29,7 +31,20 @@ def run(hidden, weight, labels, bias=None, grad_out_seed=1, **kw):
     return loss.detach(), [leaves[0].grad, leaves[1].grad, None if b is None else b.grad], grad_out
 
 
-PATHS = pytest.mark.parametrize("gif", [True, False], ids=["grad_in_forward", "recompute"])
+PATHS = pytest.mark.parametrize(
+    "path",
+    [
+        {"grad_in_forward": gif, "compiled": compiled}
+        for gif in (True, False)
+        for compiled in (True, False)
+    ],
+    ids=[
+        "grad_in_forward-compiled",
+        "grad_in_forward-eager",
+        "recompute-compiled",
+        "recompute-eager",
+    ],
+)
 
 
 def check_parity(hidden, weight, labels, bias=None, tol=TOL, **kw):
@@ -62,7 +77,7 @@ SHAPES = [  # (N, H, V, chunk_size): N % chunk != 0, V not a multiple of 8, chun
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
 @PATHS
-def test_parity(shape, reduction, label_smoothing, gif):
+def test_parity(shape, reduction, label_smoothing, path):
     n, h, v, chunk = shape
     hidden, weight, bias, labels = make_inputs(n, h, v, seed=n + v)
     check_parity(
@@ -73,15 +88,15 @@ def test_parity(shape, reduction, label_smoothing, gif):
         chunk_size=chunk,
         reduction=reduction,
         label_smoothing=label_smoothing,
-        grad_in_forward=gif,
+        **path,
     )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @PATHS
-def test_batch_seq_input_no_bias_custom_ignore(reduction, gif):
+def test_batch_seq_input_no_bias_custom_ignore(reduction, path):
     hidden, weight, _, labels = make_inputs(18, 8, 23, ignore_index=0, shape=(3, 6), bias=False)
-    kw = {"ignore_index": 0, "chunk_size": 4, "reduction": reduction, "grad_in_forward": gif}
+    kw = {"ignore_index": 0, "chunk_size": 4, "reduction": reduction, **path}
     if reduction == "none":
         loss, _, _ = run(hidden, weight, labels, **{**kw, "grad_in_forward": None})
         assert loss.shape == (3, 6)
@@ -90,11 +105,18 @@ def test_batch_seq_input_no_bias_custom_ignore(reduction, gif):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @PATHS
-def test_all_ignored_is_zero_with_zero_grads(reduction, gif):
+def test_all_ignored_is_zero_with_zero_grads(reduction, path):
     hidden, weight, bias, labels = make_inputs(10, 6, 11, ignore_frac=1.0)
-    gif = gif and reduction != "none"
+    gif = path["grad_in_forward"] and reduction != "none"
     loss, grads, _ = run(
-        hidden, weight, labels, bias, reduction=reduction, chunk_size=3, grad_in_forward=gif
+        hidden,
+        weight,
+        labels,
+        bias,
+        reduction=reduction,
+        chunk_size=3,
+        grad_in_forward=gif,
+        compiled=path["compiled"],
     )
     assert torch.equal(loss, torch.zeros_like(loss))
     for g in grads:
@@ -102,9 +124,9 @@ def test_all_ignored_is_zero_with_zero_grads(reduction, gif):
 
 
 @PATHS
-def test_num_valid_tokens_divides_the_sum(gif):
+def test_num_valid_tokens_divides_the_sum(path):
     hidden, weight, bias, labels = make_inputs(30, 8, 17)
-    kw = {"chunk_size": 7, "grad_in_forward": gif}
+    kw = {"chunk_size": 7, **path}
     total, grads_sum, _ = run(hidden, weight, labels, bias, reduction="sum", **kw)
     for count in (123, torch.tensor(123)):
         loss, grads, _ = run(
@@ -116,23 +138,21 @@ def test_num_valid_tokens_divides_the_sum(gif):
 
 
 @PATHS
-def test_only_hidden_requires_grad(gif):
+def test_only_hidden_requires_grad(path):
     hidden, weight, bias, labels = make_inputs(12, 8, 9)
     h = hidden.clone().requires_grad_()
-    linear_cross_entropy(h, weight, labels, bias=bias, chunk_size=5, grad_in_forward=gif).backward()
+    linear_cross_entropy(h, weight, labels, bias=bias, chunk_size=5, **path).backward()
     _, ref_grads = reference(hidden, weight, labels, bias=bias)
     assert_close(h.grad, ref_grads[0], **TOL)
 
 
 @PATHS
-def test_bf16_within_stated_tolerance(gif):
+def test_bf16_within_stated_tolerance(path):
     """bf16 inputs: loss within 1e-2 relative and gradients within 2e-2·max|grad| of the fp32
     reference on the same (bf16-rounded) inputs."""
     hidden, weight, bias, labels = make_inputs(64, 32, 77)
     hb, wb, bb = (t.bfloat16() for t in (hidden, weight, bias))
-    loss, grads, grad_out = run(
-        hb, wb, labels, bb, chunk_size=16, reduction="mean", grad_in_forward=gif
-    )
+    loss, grads, grad_out = run(hb, wb, labels, bb, chunk_size=16, reduction="mean", **path)
     assert [g.dtype for g in grads] == [torch.bfloat16] * 3
     ref_loss, ref_grads = reference(
         hb.float(), wb.float(), labels, bias=bb.float(), grad_out=grad_out
@@ -143,10 +163,10 @@ def test_bf16_within_stated_tolerance(gif):
 
 
 @PATHS
-def test_double_backward_raises(gif):
+def test_double_backward_raises(path):
     hidden, weight, bias, labels = make_inputs(8, 4, 5)
     h = hidden.clone().requires_grad_()
-    loss = linear_cross_entropy(h, weight, labels, bias=bias, grad_in_forward=gif)
+    loss = linear_cross_entropy(h, weight, labels, bias=bias, **path)
     with pytest.raises(RuntimeError, match="does not support double backward"):
         torch.autograd.grad(loss, h, create_graph=True)
 
@@ -202,19 +222,21 @@ def _saved(fn):
 
 
 @PATHS
-def test_saved_tensors_are_inputs_plus_one_chunk(gif):
+def test_saved_tensors_are_inputs_plus_one_chunk(path):
     n, h, v, chunk = 512, 16, 1000, 32
     hidden, weight, bias, labels = make_inputs(n, h, v)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     inputs = sum(t.numel() * t.element_size() for t in (*leaves, labels))
     ours = _saved(
         lambda: linear_cross_entropy(
-            leaves[0], leaves[1], labels, bias=leaves[2], chunk_size=chunk, grad_in_forward=gif
+            leaves[0], leaves[1], labels, bias=leaves[2], chunk_size=chunk, **path
         ).backward()
     )
     assert sum(s[1] for s in ours) <= inputs + chunk * v * 4, (ours, inputs)
     assert max(s[0] for s in ours) < n * v
-    if gif:  # the three gradients (shapes of hidden, weight, bias) and scalars, nothing else
+    if path[
+        "grad_in_forward"
+    ]:  # the three gradients (shapes of hidden, weight, bias) and scalars, nothing else
         assert sorted(s[2] for s in ours if s[0] > 1) == sorted([(n, h), (v, h), (v,)])
         assert sum(s[1] for s in ours) <= sum(t.numel() * 4 for t in leaves) + 64
     # The bound is not vacuous: the naive loss saves [N, V] fp32 tensors.
@@ -235,7 +257,8 @@ def test_auto_picks_grad_in_forward_only_for_scalar_losses_with_grad():
         return sorted(s[2] for s in saved if s[0] > 1)
 
     assert shapes("mean") == shapes("sum") == [(v, h)]  # only grad_weight is needed
-    assert shapes("none") == sorted([(n, h), (v, h), (n,), (n,)])  # inputs + lse
+    valid = int((labels != -100).sum())
+    assert shapes("none") == sorted([(n, h), (v, h), (n,), (valid,)])  # inputs + lse of valid
     with torch.no_grad():
         loss = linear_cross_entropy(hidden, w, labels, bias=bias, chunk_size=7)
     ref_loss, _ = reference(hidden, weight, labels, bias=bias)
@@ -250,9 +273,10 @@ def test_auto_picks_grad_in_forward_only_for_scalar_losses_with_grad():
     reduction=st.sampled_from(["mean", "sum", "none"]),
     smoothing=st.sampled_from([0.0, 0.3]),
     gif=st.booleans(),
+    compiled=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_parity_property(n, v, chunk, reduction, smoothing, gif, seed):
+def test_parity_property(n, v, chunk, reduction, smoothing, gif, compiled, seed):
     hidden, weight, bias, labels = make_inputs(n, 5, v, seed=seed)
     check_parity(
         hidden,
@@ -263,4 +287,5 @@ def test_parity_property(n, v, chunk, reduction, smoothing, gif, seed):
         reduction=reduction,
         label_smoothing=smoothing,
         grad_in_forward=gif,
+        compiled=compiled,
     )

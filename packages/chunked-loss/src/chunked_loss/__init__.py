@@ -12,7 +12,7 @@ from chunked_loss.logits import chunked_cross_entropy
 from chunked_loss.module import LinearCrossEntropy
 from chunked_loss.tokens import global_num_valid_tokens
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "LinearCrossEntropy",

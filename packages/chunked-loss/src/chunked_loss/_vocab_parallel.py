@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["VocabShard", "vocab_shard"]
+__all__ = ["VocabShard", "agree", "combine_lse", "combine_shards", "vocab_shard"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,16 +84,50 @@ def vocab_shard(weight: DTensor, bias: torch.Tensor | None) -> VocabShard:
     return VocabShard(local_w, local_b, start, vocab, mesh.get_group(mesh_dim))
 
 
-def agree(error: str | None, group: dist.ProcessGroup | None) -> None:
-    """Raise ``ValueError`` on every rank of ``group`` if any rank found an error."""
+def agree(error: str | None, group: dist.ProcessGroup | None, fused: bool = False) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` if any rank found an error, or if the
+    ranks resolved ``grad_in_forward`` differently (the two paths run different collectives, so
+    a mix would hang); one all-reduce MAX of [error, fused, −fused]."""
     if group is None:
         if error is not None:
             raise ValueError(error)
         return
-    flag = torch.tensor([0.0 if error is None else 1.0])
+    flags = torch.tensor([0.0 if error is None else 1.0, float(fused), -float(fused)])
     backend = dist.get_backend(group)
     if backend == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item() > 0:
+        flags = flags.cuda()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    any_error, any_fused, not_all_fused = flags.tolist()
+    if any_error > 0:
         raise ValueError(error or "another rank of the TP group rejected its loss inputs")
+    if any_fused != -not_all_fused:
+        raise ValueError(
+            "the TP ranks resolved grad_in_forward differently (grad mode or requires_grad of "
+            f"hidden/weight/bias differs between ranks; here it is {fused}); pass "
+            "grad_in_forward explicitly or make the ranks agree"
+        )
+
+
+def combine_lse(max_C: torch.Tensor, sumexp_C: torch.Tensor, group) -> torch.Tensor:
+    """The full-vocabulary log-sum-exp of a chunk from each shard's ``max`` and
+    ``Σ exp(z − max)``, with ONE collective (an all-gather of [2, C] per rank):
+    ``lse = M + log Σ_r sumexp_r · exp(max_r − M)`` with ``M = max_r max_r``. An empty shard
+    sends ``(−inf, 0)`` and adds nothing."""
+    stats_2C = torch.stack([max_C, sumexp_C])
+    ranks = dist.get_world_size(group)
+    gathered_XC = stats_2C.new_empty((ranks * 2, stats_2C.shape[1]))  # ranks' [2, C] stacked
+    dist.all_gather_into_tensor(gathered_XC, stats_2C, group=group)
+    max_RC, sumexp_RC = gathered_XC.view(ranks, 2, -1).unbind(1)
+    top_C = max_RC.amax(dim=0)
+    return top_C + (sumexp_RC * torch.exp(max_RC - top_C)).sum(dim=0).log()
+
+
+def combine_shards(lse_M, target_M, zsum_M, group):
+    """Full-vocabulary row statistics from per-shard ones: logsumexp over shards (max-shifted,
+    an empty shard contributes lse = -inf, i.e. nothing), target logit and logit sum by SUM."""
+    max_M = lse_M.clone()
+    dist.all_reduce(max_M, op=dist.ReduceOp.MAX, group=group)
+    max_M = torch.where(torch.isfinite(max_M), max_M, 0.0)
+    stats_3M = torch.stack([torch.exp(lse_M - max_M), target_M, zsum_M])
+    dist.all_reduce(stats_3M, op=dist.ReduceOp.SUM, group=group)
+    return max_M + torch.log(stats_3M[0]), stats_3M[1], stats_3M[2]

@@ -1,17 +1,14 @@
 """``linear_cross_entropy``: cross-entropy of ``hidden @ weight.T + bias`` without [N, V] logits.
 
-The math and the memory argument live in ``_function`` (backward recomputes each chunk) and
-``_fused`` (gradients formed during the forward, for a scalar loss); this module checks the
-arguments, flattens [B, S, ...] to [N, ...], picks the vocab-parallel path when ``weight`` is a
-DTensor, picks one of the two Functions (``grad_in_forward``) and applies the reduction. Both
-give the same loss and gradients; "mean" is the summed loss divided by a constant either way.
-
-The vocab-parallel path always recomputes: a shard's ``∂loss/∂z`` needs the global log-sum-exp,
-known only after an all-reduce over the TP group. Forming the gradient in the forward there
-would take either a second pass over the chunks (4 matmuls again, no gain) or two collectives
-per chunk inside the loop (3 matmuls, but ranks would synchronise once per chunk instead of
-once per call); the recompute path keeps one forward and one backward collective. On the vocab-parallel path the input checks are agreed over the TP group
-before anyone raises, so no rank is left waiting in the loss's collectives.
+The math and the memory argument live in ``_fused`` (gradients formed during the forward, for a
+scalar loss, also vocab-parallel) and ``_function`` (backward recomputes each chunk); the
+per-chunk elementwise work in ``_kernels`` (compiled or eager) and what both paths share in
+``_chunks``. This module checks the arguments, flattens [B, S, ...] to [N, ...], picks the
+vocab-parallel path when ``weight`` is a DTensor, picks one of the two Functions
+(``grad_in_forward``) and applies the reduction. Both give the same loss and gradients; "mean"
+is the summed loss divided by a constant either way. On the vocab-parallel path the input checks
+are agreed over the TP group before anyone raises, so no rank is left waiting in the loss's
+collectives.
 """
 
 from __future__ import annotations
@@ -24,9 +21,10 @@ from chunked_loss._checks import (
     check_options,
     check_shapes,
     check_weight,
-    default_chunk_size,
+    linear_chunk_size,
 )
-from chunked_loss._function import LinearCrossEntropyFunction, Spec
+from chunked_loss._chunks import Spec
+from chunked_loss._function import LinearCrossEntropyFunction
 from chunked_loss._fused import FusedLinearCrossEntropyFunction
 from chunked_loss._reduce import reduce_loss
 from chunked_loss._vocab_parallel import VocabShard, agree, vocab_shard
@@ -46,6 +44,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     num_valid_tokens: int | torch.Tensor | None = None,
     grad_in_forward: bool | None = None,
+    compiled: bool | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T + bias, labels)``, computed ``chunk_size`` tokens at a time.
 
@@ -58,18 +57,25 @@ def linear_cross_entropy(
         bias: optional [V] (a DTensor laid out like ``weight`` when ``weight`` is one).
         reduction: ``"mean"`` over valid tokens (or over ``num_valid_tokens``), ``"sum"``, or
             ``"none"`` (per-token losses shaped like ``labels``, 0 where ignored).
-        chunk_size: tokens per chunk; default keeps one fp32 [chunk, V] block near 256 MiB.
+        chunk_size: valid tokens per chunk; ``None`` picks the largest chunk whose working set
+            fits 256 MiB for this V (per process), H and dtype (see the README for the formula;
+            269 rows for fp32 at V = 248,320, H = 1024).
         label_smoothing: ε in [0, 1], as in ``F.cross_entropy``.
         num_valid_tokens: the global number of non-ignored labels (all DP/CP ranks and
             micro-batches, see ``global_num_valid_tokens``); ``"mean"`` divides by it.
-        grad_in_forward: ``None`` (auto) computes the gradients during the forward (3 matmuls,
-            like the naive loss) whenever that is exact and useful — ``reduction`` is
-            ``"mean"``/``"sum"``, grad mode is on, some input requires grad and ``weight`` is not
-            vocab-parallel — and otherwise recomputes each chunk's logits in backward (4
-            matmuls, nothing but [N] floats saved beyond the inputs). ``True`` forces the
-            former (``ValueError`` where it does not apply), ``False`` the latter, e.g. when
-            many forwards run without a backward, or to free the [V, H] weight gradient
-            between forward and backward.
+        grad_in_forward: ``None`` (auto) computes the gradients during the forward (3 matmuls
+            per chunk, like the naive loss) whenever that is exact and useful — ``reduction`` is
+            ``"mean"``/``"sum"``, grad mode is on and some input requires grad (vocab-parallel
+            included) — and otherwise recomputes each chunk's logits in backward (4 matmuls,
+            nothing but [M] floats saved beyond the inputs). ``True`` forces the former
+            (``ValueError`` for ``reduction="none"``), ``False`` the latter, e.g. when many
+            forwards run without a backward, or to free the [V, H] weight gradient between
+            forward and backward.
+        compiled: the per-chunk softmax/gradient kernels. ``None`` (auto) uses
+            ``torch.compile``d kernels (one fused pass writing the gradient into the chunk's
+            logits) where Inductor works on this device, and otherwise the exact eager kernels,
+            logging why once per device type (logger ``"chunked_loss"``); ``True`` raises
+            ``RuntimeError`` instead of falling back; ``False`` always runs eagerly.
 
     Returns:
         fp32 loss: a scalar, or [N] / [B, S] for ``reduction="none"``. With every label ignored
@@ -78,6 +84,8 @@ def linear_cross_entropy(
         Double backward is not supported and raises a ``RuntimeError``.
     """
     check_options(reduction, chunk_size, label_smoothing, num_valid_tokens)
+    if compiled is not None and not isinstance(compiled, bool):
+        raise TypeError(f"compiled must be a bool or None, got {type(compiled).__name__}")
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -100,17 +108,20 @@ def linear_cross_entropy(
         or _check_dtypes(hidden, shard)
         or check_label_range(labels, shard.vocab, ignore_index)
     )
-    agree(error, shard.group)
+    fused = _use_grad_in_forward(grad_in_forward, reduction, shard, hidden)
+    agree(error, shard.group, fused)
     spec = Spec(
         ignore_index=ignore_index,
         label_smoothing=float(label_smoothing),
-        chunk_size=chunk_size or default_chunk_size(shard.weight.shape[0]),
+        chunk_size=chunk_size
+        or linear_chunk_size(shard.weight.shape[0], hidden.shape[-1], hidden.dtype),
         vocab_start=shard.start,
         vocab_total=shard.vocab,
         group=shard.group,
+        compiled=compiled,
     )
     args = (hidden.reshape(-1, hidden.shape[-1]), shard.weight, shard.bias, labels.reshape(-1))
-    if _use_grad_in_forward(grad_in_forward, reduction, shard, hidden):
+    if fused:
         total = FusedLinearCrossEntropyFunction.apply(*args, spec)
         return reduce_loss(total, labels, reduction, ignore_index, num_valid_tokens)
     loss_N = LinearCrossEntropyFunction.apply(*args, spec)
@@ -120,14 +131,12 @@ def linear_cross_entropy(
 def _use_grad_in_forward(
     choice: bool | None, reduction: str, shard: VocabShard, hidden: torch.Tensor
 ) -> bool:
-    """Resolve ``grad_in_forward``: the fused path needs a scalar loss and one process's whole
-    vocabulary (on the vocab-parallel path ``∂loss/∂z`` needs the global log-sum-exp, which the
-    recompute path has in backward after one forward all-reduce)."""
+    """Resolve ``grad_in_forward``: the fused path needs a scalar loss (a per-token upstream
+    gradient is unknown in the forward)."""
     if choice is None:
         tensors = (hidden, shard.weight, shard.bias)
         return (
             reduction != "none"
-            and shard.group is None
             and torch.is_grad_enabled()
             and any(t is not None and t.requires_grad for t in tensors)
         )
@@ -137,11 +146,6 @@ def _use_grad_in_forward(
         raise ValueError(
             'grad_in_forward=True needs a scalar loss (reduction "mean" or "sum"), got '
             'reduction="none"'
-        )
-    if choice and shard.group is not None:
-        raise ValueError(
-            "grad_in_forward=True is not available for a vocab-parallel (Shard(0) DTensor) "
-            "weight: the chunk gradient needs the global log-sum-exp; use None or False"
         )
     return choice
 

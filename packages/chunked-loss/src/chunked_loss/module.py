@@ -48,6 +48,7 @@ class LinearCrossEntropy(nn.Module):
         chunk_size: int | None = None,
         label_smoothing: float = 0.0,
         grad_in_forward: bool | None = None,
+        compiled: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(lm_head, nn.Linear):
@@ -59,6 +60,7 @@ class LinearCrossEntropy(nn.Module):
         self.chunk_size = chunk_size
         self.label_smoothing = label_smoothing
         self.grad_in_forward = grad_in_forward
+        self.compiled = compiled
 
     @classmethod
     def create(
@@ -90,6 +92,7 @@ class LinearCrossEntropy(nn.Module):
             "label_smoothing": self.label_smoothing,
             "num_valid_tokens": num_valid_tokens,
             "grad_in_forward": self.grad_in_forward,
+            "compiled": self.compiled,
         }
         if isinstance(head, FSDPModule):
             if not hasattr(head, _HEAD_METHOD):
@@ -104,7 +107,7 @@ class LinearCrossEntropy(nn.Module):
         return (
             f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
             f"chunk_size={self.chunk_size}, label_smoothing={self.label_smoothing}, "
-            f"grad_in_forward={self.grad_in_forward}"
+            f"grad_in_forward={self.grad_in_forward}, compiled={self.compiled}"
         )
 
 
