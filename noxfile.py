@@ -7,6 +7,7 @@ package that forgets to declare a dependency fails here, not on a user's machine
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import nox
@@ -42,6 +43,11 @@ def _sync(session: nox.Session, package: str, *extra: str) -> None:
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
         external=True,
     )
+
+
+def _has_group(path: Path, group: str) -> bool:
+    with open(path / "pyproject.toml", "rb") as f:
+        return group in tomllib.load(f).get("dependency-groups", {})
 
 
 def _test_env() -> dict[str, str]:
@@ -86,6 +92,7 @@ def bench(session: nox.Session) -> None:
         )
         if not scripts:
             continue
-        _sync(session, package)
+        # a package's benchmark peers live in its optional "bench" dependency group
+        _sync(session, package, *(("--group", "bench") if _has_group(path, "bench") else ()))
         for script in scripts:
             session.run("python", str(script), *session.posargs, env=_test_env())
