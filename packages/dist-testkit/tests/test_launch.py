@@ -42,6 +42,9 @@ def hang_on_rank_zero() -> None:
 
 
 def crash_on_rank_one() -> None:
+    # every rank first finishes joining the group: a peer that returns (and exits) while rank 1
+    # is still connecting would otherwise fail rank 1's start-up instead (seen under load)
+    dist.barrier()
     if dist.get_rank() == 1:
         os._exit(17)
 
