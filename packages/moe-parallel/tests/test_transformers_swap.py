@@ -67,7 +67,7 @@ def test_a_model_without_blocks_or_config_is_refused():
         swap_moe_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     holder = torch.nn.Module()
     holder.block = hf.Qwen3_5MoeSparseMoeBlock(_tiny_lm().config)
-    with pytest.raises(ValueError, match="has no .config"):
+    with pytest.raises(ValueError, match=r"has no \.config"):
         swap_moe_blocks(holder)
 
 
