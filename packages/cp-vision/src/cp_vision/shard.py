@@ -53,6 +53,15 @@ def _fingerprint(values: list[int]) -> int:
     return h
 
 
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device a collective on ``group`` needs: CPU when the group has a CPU backend (gloo,
+    or e.g. ``"cpu:gloo,cuda:nccl"``), else the current CUDA device (NCCL)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "cpu:" in backend or any(name in backend for name in ("gloo", "mpi", "fake")):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _agree(group: dist.ProcessGroup, failed: bool, facts: list[int], what: str) -> None:
     """One all-reduce of every rank's verdict and ``facts``; afterwards every rank knows.
 
@@ -63,7 +72,9 @@ def _agree(group: dist.ProcessGroup, failed: bool, facts: list[int], what: str) 
     verdicts = [0] * world
     verdicts[rank] = int(failed)
     flag = torch.tensor(verdicts + facts + [-f for f in facts], dtype=torch.int64)
+    flag = flag.to(group_device(group))  # NCCL groups take CUDA tensors only
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    flag = flag.cpu()
     if failed:
         return
     bad = [r for r in range(world) if flag[r]]
