@@ -103,7 +103,7 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
         eps=recipe.train.eps,
         weight_decay=recipe.train.weight_decay,
     )
-    start = _resume(recipe, objective, optimizer)
+    start = _resume(recipe, objective, optimizer, device)
     text = model.config.text_config
     rope_index = model.model.get_rope_index
     coef = recipe.train.router_aux_loss_coef
@@ -145,15 +145,17 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
     return TrainResult(logs, objective)
 
 
-def _resume(recipe: Recipe, objective, optimizer) -> int:
-    """Steps already done: 0, or those of the newest checkpoint (the same on every rank)."""
+def _resume(recipe: Recipe, objective, optimizer, device: torch.device) -> int:
+    """Steps already done: 0, or those of the newest checkpoint (the same on every rank).
+    ``device``: where the default group's collectives run (CUDA under NCCL)."""
     if not recipe.train.checkpoint_dir:
         return 0
     found = latest_checkpoint(recipe.train.checkpoint_dir)
     step = -1 if found is None else found[1]
     if dist.is_initialized():
-        seen = torch.tensor([step, -step])
+        seen = torch.tensor([step, -step], device=device)
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        seen = seen.cpu()
         if seen[0] != -seen[1]:
             raise ValueError(
                 f"ranks see different newest checkpoints under {recipe.train.checkpoint_dir} "
