@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 dist.init_process_group("gloo")
 print("rank", dist.get_rank(), flush=True)
+dist.barrier()
 dist.destroy_process_group()
 ```
 """
