@@ -98,8 +98,8 @@ def check_transformers() -> tuple[tuple[type, ...], tuple[type, ...]]:
         from transformers import masking_utils
 
         registry = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-        if ATTENTION in registry:
-            missing.append(f"no mask function registered for {ATTENTION!r}")
+        if ATTENTION in registry:  # then transformers would build [S, S] masks for it
+            missing.append(f"an attention implementation {ATTENTION!r} without a mask function")
     except (ImportError, AttributeError):
         missing.append("transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping")
     if missing:
