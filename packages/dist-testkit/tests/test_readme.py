@@ -24,7 +24,7 @@ not run
 import torch.distributed as dist
 
 dist.init_process_group("gloo")
-print("rank", dist.get_rank(), flush=True)
+print(f"rank {dist.get_rank()} done", flush=True)  # one write: ranks share the pipe
 dist.barrier()
 dist.destroy_process_group()
 ```
@@ -37,7 +37,7 @@ def test_examples_are_the_python_blocks_with_their_lines(tmp_path):
     assert (first.line, first.code, first.nproc) == (4, 'print("one")\n', None)
     assert second.line == 12 and second.nproc == 2
     output = run_example(second, timeout=120)
-    assert "rank 1" in output, output
+    assert "rank 1 done" in output and "rank 0 done" in output, output
 
 
 def test_a_failing_example_names_its_line_and_shows_its_output(tmp_path):
