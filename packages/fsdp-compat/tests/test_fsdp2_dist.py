@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 import fsdp_compat.fsdp2
 from dist_testkit import assert_close, assert_grads_close, make_mesh, named_check, run_checks
-from fsdp_compat import MixedPrecision, flatten_mesh, get_mesh_dim, shard_model
+from fsdp_compat import MixedPrecision, clip_grad_norm, flatten_mesh, get_mesh_dim, shard_model
 
 STEPS = 3
 # DCP's object collectives (gather/scatter of the save plan) go through numpy.
@@ -229,6 +229,61 @@ def check_hsdp() -> None:
     _train_and_compare(model, reference, data, dist.get_rank(), optimizer)
 
 
+def check_hsdp_sum_reduction() -> None:
+    """grad_reduction="sum" under HSDP (replicate "rep" x shard "dp"): each rank backpropagates
+    its SHARE of the mean loss (its loss / world) and every reduction, the reduce-scatter and
+    the replicate all-reduce, sums: the gradients are the one-process mean's. (With the default
+    "mean" the same shares would give gradients world times too small.)"""
+    mesh = make_mesh((2, 2), ("rep", "dp"))
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    reference = copy.deepcopy(model)
+    optimizer = make_optimizer(model)
+    shard_model(model, mesh, shard_dims=("dp",), replicate_dims=("rep",), optimizer=optimizer,
+                grad_reduction="sum")  # fmt: skip
+    data = batches(dist.get_world_size(), 1)
+    share = lm_loss(model, data[0][dist.get_rank()]) / dist.get_world_size()
+    share.backward()
+    _, ref_grads, _ = reference_run(reference, data)[0]
+    assert_grads_close(model, ref_grads, rtol=1e-5, atol=1e-6)
+
+
+def check_expert_mesh_and_clip() -> None:
+    """EP modules on a mesh of their own root (``expert_mesh=``): the experts' EP dim takes
+    ranks {0, 2} / {1, 3}, across the dense mesh's rows [[0, 1], [2, 3]], so it is no dim of the
+    dense mesh. Dense parameters: HSDP over the dense mesh; experts: FSDP over the expert
+    mesh's "efsdp" dim. Then ``clip_grad_norm`` over parameters on three meshes equals
+    ``torch.nn.utils.clip_grad_norm_`` of the one-process gradients."""
+    dense = make_mesh((2, 2), ("rep", "dp"))
+    expert = torch.distributed.device_mesh.DeviceMesh(
+        "cpu", torch.tensor([[0, 2], [1, 3]]), mesh_dim_names=("efsdp", "ep")
+    )
+    torch.manual_seed(0)
+    model = MoEModel()
+    reference = copy.deepcopy(model)
+    experts = model.moe.experts
+    experts.w_EHH = torch.nn.Parameter(
+        distribute_tensor(experts.w_EHH.detach(), expert["ep"], [Shard(0)])
+    )
+    shard_model(model, dense, shard_dims=("dp",), replicate_dims=("rep",),
+                expert_mesh=expert["efsdp"])  # fmt: skip
+    assert experts.w_EHH.device_mesh.mesh_dim_names == ("efsdp", "ep")
+    data = batches(2, 1)  # the EP peers {0, 2} and {1, 3} hold the same rows
+    lm_loss(model, data[0][expert["efsdp"].get_local_rank()]).backward()
+    _, ref_grads, _ = reference_run(reference, data)[0]
+    assert_grads_close(model, ref_grads, rtol=1e-5, atol=1e-6)
+    grads = [g.clone() for g in ref_grads.values()]
+    ref_params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(ref_params, grads, strict=True):
+        p.grad = g
+    expected = float(torch.nn.utils.clip_grad_norm_(ref_params, 0.1))
+    names = [n for n, _ in reference.named_parameters()]
+    norm = clip_grad_norm(model.parameters(), 0.1)
+    assert abs(norm - expected) <= 1e-5 * expected, (norm, expected)
+    assert_grads_close(model, {n: p.grad for n, p in zip(names, ref_params, strict=True)},
+                       rtol=1e-5, atol=1e-7)  # fmt: skip
+
+
 def check_dcp_roundtrip(path: str) -> None:
     """A DCP checkpoint of the dp×cp-sharded model restores its parameters exactly."""
     mesh = _dp_cp_mesh()
@@ -264,6 +319,9 @@ def check_bad_inputs() -> None:
         (dict(mixed_precision=torch.bfloat16), TypeError, "fsdp_compat.MixedPrecision"),
         (dict(report_nan=True), ValueError, "megatron-fsdp options"),
         (dict(not_an_option=1), TypeError, r"\['not_an_option'\] are not fully_shard arguments"),
+        (dict(grad_reduction="avg"), ValueError, r"grad_reduction must be one of \('mean', 'sum'\)"),
+        (dict(expert_mesh="ep"), TypeError, "expert_mesh must be a 1-D or 2-D DeviceMesh"),
+        (dict(backend="megatron-fsdp", grad_reduction="sum"), ValueError, "are FSDP2 options"),
     ]
     for kwargs, error, pattern in cases:
         with pytest.raises(error, match=pattern):
@@ -297,7 +355,9 @@ def _checks(world: int, path: str) -> list:
     ]
     if HAVE_NUMPY:
         common.append(named_check("check_dcp_roundtrip", check_dcp_roundtrip, path))
-    return common + ([check_fsdp_tp, check_fsdp_ep, check_hsdp] if world == 4 else [])
+    at_four = [check_fsdp_tp, check_fsdp_ep, check_hsdp, check_hsdp_sum_reduction,
+               check_expert_mesh_and_clip]  # fmt: skip
+    return common + (at_four if world == 4 else [])
 
 
 CHECK_NAMES = {world: [c.__name__ for c in _checks(world, "")] for world in (2, 4)}

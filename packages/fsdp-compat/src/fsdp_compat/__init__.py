@@ -4,9 +4,11 @@
   FSDP2 or megatron-fsdp, EP/TP-aware.
 - :func:`flatten_mesh` / :func:`get_mesh_dim` — mesh dims by name, flattened ones included.
 - :class:`MixedPrecision` — one mixed-precision description for both backends.
+- :func:`clip_grad_norm` — gradient clipping over parameters on several device meshes.
 - :func:`build_megatron_call` — the megatron-fsdp call as data (function, keyword arguments).
 """
 
+from fsdp_compat.clip import clip_grad_norm
 from fsdp_compat.megatron import (
     BackendSignatureError,
     build_megatron_call,
@@ -15,16 +17,18 @@ from fsdp_compat.megatron import (
 )
 from fsdp_compat.mesh import flatten_mesh, get_mesh_dim, mesh_dim_names_with_flattened
 from fsdp_compat.precision import MixedPrecision
-from fsdp_compat.shard import BACKENDS, shard_model
+from fsdp_compat.shard import BACKENDS, GRAD_REDUCTIONS, shard_model
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BACKENDS",
     "BackendSignatureError",
+    "GRAD_REDUCTIONS",
     "MixedPrecision",
     "__version__",
     "build_megatron_call",
+    "clip_grad_norm",
     "check_megatron_tp_params",
     "flatten_mesh",
     "get_mesh_dim",

@@ -12,6 +12,11 @@ Correctness argument:
   (``_concatenate``), which requires the meshes to be disjoint, as they are by construction.
 - Optional ``fully_shard`` arguments are passed only when set: some torch builds reject
   ``reshard_after_forward=None``, and ``None`` would also hide the backend's own default.
+- ``sum_reduction``: every FSDP module (units, EP units, root) reduces with a plain SUM: the
+  divide factor is 1 and the SUM is forced for the communication itself, so no backend
+  (gloo lacks ``PREMUL_SUM`` / ``AVG``) substitutes a division before or after it. Each
+  parameter belongs to exactly one FSDP module, so setting it on all of them covers every
+  gradient, HSDP's all-reduce over the replicate dim included.
 - ``fully_shard`` replaces each parameter object; an optimizer built before sharding is
   re-pointed at the new parameters by name (it must not hold state yet).
 """
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from fsdp_compat.precision import MixedPrecision
 
@@ -80,6 +85,7 @@ def shard_fsdp2(
     mixed_precision: MixedPrecision | None,
     optimizer: torch.optim.Optimizer | None,
     options: dict[str, Any],
+    sum_reduction: bool = False,
 ) -> nn.Module:
     """Shard ``ep_units`` on ``ep_mesh``, then ``units`` and the root on ``shard_mesh``."""
     kwargs = fsdp2_kwargs(shard_mesh, reshard_after_forward, mixed_precision, options)
@@ -106,6 +112,11 @@ def shard_fsdp2(
         if id(module) not in done:
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    if sum_reduction:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
     if optimizer is not None:
         _repoint_optimizer(optimizer, names, model)
     return model

@@ -9,6 +9,14 @@ are taken out of ``backend_options`` before the rest goes to the backend:
   EP-sharded; under FSDP2 their modules are sharded on the shard dims without it.
 - ``replicate_dims`` (default ``()``): HSDP; parameters are replicated over these dims and
   sharded over ``shard_dims``.
+- ``expert_mesh`` (default ``None``): the FSDP mesh of the EP modules, given explicitly (1-D,
+  or 2-D ``(replicate, shard)`` for HSDP) when the experts live on a mesh of their own (an
+  expert mesh whose EP dim borrows ranks from the data × context ranks: it is not a dim of
+  ``mesh``); it must share a root mesh with the experts' DTensors, as FSDP2 requires.
+- ``grad_reduction`` (default ``"mean"``): ``"sum"`` makes every FSDP2 gradient reduction a
+  SUM (``set_gradient_divide_factor(1.0)`` with ``set_force_sum_reduction_for_comms(True)``, on
+  every unit, so no backend falls back to a pre- or post-division): for losses that are each
+  rank's share of the global loss. megatron-fsdp averages and refuses ``"sum"``.
 - ``tp_dim`` / ``report_nan``: megatron-fsdp only (FSDP2 reads TP from the DTensors and has no
   NaN report); given to FSDP2 they are an error rather than silently ignored.
 
@@ -30,9 +38,10 @@ from fsdp_compat.mesh import flatten_mesh
 from fsdp_compat.precision import MixedPrecision
 from fsdp_compat.units import ep_modules, resolve_unit_modules
 
-__all__ = ["BACKENDS", "shard_model"]
+__all__ = ["BACKENDS", "GRAD_REDUCTIONS", "shard_model"]
 
 BACKENDS = ("fsdp2", "megatron-fsdp")
+GRAD_REDUCTIONS = ("mean", "sum")
 
 
 def _dims(name: str, value: object, allow_empty: bool) -> tuple[str, ...]:
@@ -117,15 +126,27 @@ def shard_model(
     ep_dim = options.pop("ep_dim", "ep")
     if not isinstance(ep_dim, str):
         raise TypeError(f"ep_dim must be a mesh dim name, got {ep_dim!r}")
+    expert_mesh = options.pop("expert_mesh", None)
+    if expert_mesh is not None and (not isinstance(expert_mesh, DeviceMesh) or expert_mesh.ndim > 2):
+        raise TypeError(f"expert_mesh must be a 1-D or 2-D DeviceMesh, got {expert_mesh!r}")
+    reduction = options.pop("grad_reduction", "mean")
+    if reduction not in GRAD_REDUCTIONS:
+        raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {reduction!r}")
     units, unit_classes = resolve_unit_modules(model, unit_modules)
     if backend == "fsdp2":
         return _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard_after_forward,
-                      mixed_precision, optimizer, options)  # fmt: skip
+                      mixed_precision, optimizer, options, expert_mesh, reduction)  # fmt: skip
+    if expert_mesh is not None or reduction != "mean":
+        raise ValueError(
+            "expert_mesh and grad_reduction='sum' are FSDP2 options: megatron-fsdp derives its "
+            "expert groups itself and averages gradients"
+        )
     return _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard_after_forward,
                      mixed_precision, optimizer, options)  # fmt: skip
 
 
-def _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard, mp, optimizer, options):
+def _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard, mp, optimizer, options,
+           expert_mesh, reduction):  # fmt: skip
     from fsdp_compat.fsdp2 import shard_fsdp2
 
     megatron_only = sorted({"tp_dim", "report_nan"} & set(options))
@@ -136,8 +157,8 @@ def _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard, mp, optimizer,
         )
     ep_units = ep_modules(model, ep_dim)
     shard_mesh = _hsdp_mesh(mesh, replicate, shard)
-    ep_mesh = None
-    if ep_units:
+    ep_mesh = expert_mesh
+    if ep_units and ep_mesh is None:
         ep_mesh = _hsdp_mesh(
             mesh, tuple(d for d in replicate if d != ep_dim), tuple(d for d in shard if d != ep_dim)
         )
@@ -151,6 +172,7 @@ def _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard, mp, optimizer,
         mixed_precision=mp,
         optimizer=optimizer,
         options=options,
+        sum_reduction=reduction == "sum",
     )
 
 
