@@ -6,7 +6,6 @@ import pytest
 from helpers import TINY, tiny
 
 from qwen35_trainer import ParallelRecipe, build_config, load_recipe, recipe_from_dict
-from qwen35_trainer.parallelize import check_layout
 
 
 def test_tiny_recipe_loads_with_types():
@@ -66,22 +65,14 @@ def test_model_fields_are_checked_against_transformers():
         build_config(tiny("model.image_token_id=500").model)
 
 
-@pytest.mark.parametrize(
-    ("dp", "cp", "ep", "packing", "world", "message"),
-    [
-        (2, 2, 1, True, 2, r"parallel.dp=2 x parallel.cp=2 x parallel.tp=1 must equal the"),
-        (4, 1, 3, False, 4, r"parallel.ep=3 must divide parallel.dp=4"),
-        (1, 2, 1, False, 2, r"parallel.cp > 1 needs data.packing"),
-        (1, 4, 2, True, 4, r"parallel.ep must be 1 or 4, got 2"),
-        (1, 1, 1, False, 2, r"x parallel.tp=1 must equal the launched world size 2"),
-    ],
-)
-def test_layouts_that_cannot_run_are_refused_with_the_reason(dp, cp, ep, packing, world, message):
-    spec = ParallelRecipe(dp=dp, cp=cp, ep=ep)
-    with pytest.raises(ValueError, match=message):
-        check_layout(spec, world, packing=packing)
-    with pytest.raises(ValueError, match=r"parallel\.tp > 1 together with parallel\.cp or"):
-        check_layout(ParallelRecipe(dp=1, cp=2, tp=2), 4, packing=True)
-    check_layout(ParallelRecipe(dp=2, cp=2), 4, packing=True)  # layouts that fit
-    check_layout(ParallelRecipe(dp=2, cp=2, ep=2), 4, packing=True)
-    check_layout(ParallelRecipe(dp=2, tp=2), 4, packing=False)
+def test_bad_train_values_are_refused():
+    for override, message in [
+        ("train.grad_clip=0", r"train.grad_clip must be > 0, or null"),
+        ("train.grad_clip=-1", r"train.grad_clip must be > 0"),
+        ("train.dtype=float16", r"train.dtype must be one of \('float32', 'bfloat16'\)"),
+        ("train.grad_accum_steps=0", r"train.grad_accum_steps must be >= 1"),
+        ("data.text_only=[2, 3]", r"data.text_only must be \[period, count\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            tiny(override)
+    assert tiny("train.grad_clip=null").train.grad_clip is None

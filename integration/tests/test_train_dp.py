@@ -31,47 +31,108 @@ from dist_checks import (
 from dist_testkit import named_check, run_checks
 from qwen35_trainer import train
 
+# name -> (overrides, reference variant, world sizes). {world}, {half}, {rows}, {export} are
+# filled per launch; a reference variant is the one-process run with the same data and options.
 LAYOUTS = {
-    "fsdp": (),
-    "ep2": ("parallel.ep=2", "train.export_dir={export}"),
+    "fsdp": ((), "base", (2, 4)),
+    "ep2": (("parallel.ep=2", "train.export_dir={export}"), "base", (2, 4)),
     "ep_all_ac_packed": (
-        "parallel.ep={world}",
-        "train.activation_checkpointing=true",
-        "data.packing=true",
+        ("parallel.ep={world}", "train.activation_checkpointing=true", "data.packing=true"),
+        "base",
+        (2, 4),
     ),
     "cp_all_ac": (
-        "parallel.dp=1",
-        "parallel.cp={world}",
-        "data.samples_per_rank=4",
-        "data.packing=true",
-        "train.activation_checkpointing=true",
+        ("parallel.dp=1", "parallel.cp={world}", "data.samples_per_rank=4", "data.packing=true",
+         "train.activation_checkpointing=true"),
+        "base",
+        (2, 4),
     ),
     "dp_x_tp2_packed": (
-        "parallel.dp={half}",
-        "parallel.tp=2",
-        "data.samples_per_rank={rows}",
-        "data.packing=true",
+        ("parallel.dp={half}", "parallel.tp=2", "data.samples_per_rank={rows}",
+         "data.packing=true"),
+        "base",
+        (2, 4),
     ),
     "dp_x_cp2_ep2": (
-        "parallel.dp={half}",
-        "parallel.cp=2",
-        "parallel.ep=2",
-        "data.samples_per_rank={rows}",
-        "data.packing=true",
+        ("parallel.dp={half}", "parallel.cp=2", "parallel.ep=2", "data.samples_per_rank={rows}",
+         "data.packing=true"),
+        "base",
+        (2, 4),
     ),
+    # EP groups inside one CP group: the 122B shape (EP 8 inside CP 32) in miniature
+    "cp4_ep2": (("parallel.dp=1", "parallel.cp=4", "parallel.ep=2", "data.samples_per_rank=4",
+                 "data.packing=true"), "base", (4,)),
+    # one EP group spanning both DP and both CP ranks
+    "dp2_cp2_ep4": (("parallel.dp=2", "parallel.cp=2", "parallel.ep=4",
+                     "data.samples_per_rank=2", "data.packing=true"), "base", (4,)),
+    # EP over the DP ranks (ranks with the same CP index)
+    "dp2_cp2_ep2_over_dp": (("parallel.dp=2", "parallel.cp=2", "parallel.ep=2",
+                             "parallel.ep_first=dp", "data.samples_per_rank=2",
+                             "data.packing=true"), "base", (4,)),
+    "tp2_cp2": (("parallel.dp=1", "parallel.tp=2", "parallel.cp=2", "data.samples_per_rank=4",
+                 "data.packing=true"), "base", (4,)),
+    # EP over DP with TP: the TP peers dispatch the same tokens in different EP groups
+    "tp2_ep2": (("parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "data.samples_per_rank=2",
+                 "data.packing=true"), "base", (4,)),
+    "hsdp_ep2": (("parallel.dp_replicate=2", "parallel.dp=2", "parallel.ep=2"), "base", (4,)),
+    # accumulation: two half batches per step equal one full batch (the aux loss, a product of
+    # two batch means, is per micro-batch: off here)
+    "accum_dp2_cp2_ep2": (("parallel.dp=2", "parallel.cp=2", "parallel.ep=2",
+                           "data.samples_per_rank=2", "data.packing=true",
+                           "train.grad_accum_steps=2", "train.router_aux_loss_coef=0"),
+                          "no_aux", (4,)),
+    "accum_tp2_ep2": (("parallel.dp=2", "parallel.tp=2", "parallel.ep=2",
+                       "data.samples_per_rank=2", "data.packing=true",
+                       "train.grad_accum_steps=2", "train.router_aux_loss_coef=0"),
+                      "no_aux", (4,)),
+    # text-only rows: DP ranks 2, 3 (padded rows); DP group 1's packed row over its CP ranks
+    "fsdp_text_only": (("data.text_only=[4, 2]",), "text_only", (4,)),
+    "dp2_cp2_ep2_text_only": (("parallel.dp=2", "parallel.cp=2", "parallel.ep=2",
+                               "data.samples_per_rank=2", "data.packing=true",
+                               "data.text_only=[4, 2]"), "text_only", (4,)),
+    # bf16 (fp32 master weights and reduction) against one-process bf16; see BF16_COMPARE
+    "bf16_dp2_cp2_ep2": (("parallel.dp=2", "parallel.cp=2", "parallel.ep=2",
+                          "data.samples_per_rank=2", "data.packing=true",
+                          "train.dtype=bfloat16"), "bf16", (4,)),
+}  # fmt: skip
+
+VARIANTS = {
+    "base": (),
+    "no_aux": ("train.router_aux_loss_coef=0",),
+    "text_only": ("data.text_only=[4, 2]",),
+    "bf16": ("train.dtype=bfloat16",),
 }
+# bf16 rounds every matmul input to 8 mantissa bits and the ranks add partial results in another
+# order than one process, so the runs agree to bf16 resolution (2^-8 = 0.4 % per rounding), not
+# fp32's: 2 % on the logged values, and each parameter tensor's distance to the one-process
+# tensor within 2 % of its norm plus one Adam step's (lr per element), not elementwise: Adam
+# turns the rounding noise of a near-zero gradient element into an update of up to lr per step,
+# in either direction.
+BF16_COMPARE = {"rel": 2e-2, "param_norm_rel": 2e-2}
+COMPARE = {"no_aux": {"fields": ("loss", "ce", "grad_norm")}, "bf16": BF16_COMPARE}
 
 
 @pytest.fixture(scope="module")
-def reference():
-    result = train(layout_recipe(1))
-    state = {k: v.detach().clone() for k, v in result.objective.model.state_dict().items()}
-    assert len(result.logs) == STEPS and result.logs[-1].loss < result.logs[0].loss
-    return result.logs, state
+def references():
+    """The one-process run of each variant: its step logs and final (fp32) parameters."""
+    out = {}
+    for name, overrides in VARIANTS.items():
+        result = train(layout_recipe(1, *overrides))
+        # one-process bf16 runs FSDP2 on a one-rank group: its DTensors' local part is whole
+        state = {k: getattr(v, "_local_tensor", v).detach().float().clone()
+                 for k, v in result.objective.model.state_dict().items()}  # fmt: skip
+        assert len(result.logs) == STEPS and result.logs[-1].loss < result.logs[0].loss
+        out[name] = (result.logs, state)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["base"]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def launch(request, reference, tmp_path_factory):
+def launch(request, references, tmp_path_factory):
     world = request.param
     exported = tmp_path_factory.mktemp(f"export_world{world}")
     fill = {"world": world, "half": world // 2, "rows": 8 // world, "export": exported}
@@ -80,9 +141,11 @@ def launch(request, reference, tmp_path_factory):
             f"{name}@{world}",
             check_training_equals_one_process,
             tuple(o.format(**fill) for o in overrides),
-            *reference,
+            *references[variant],
+            COMPARE.get(variant),
         )
-        for name, overrides in LAYOUTS.items()
+        for name, (overrides, variant, worlds) in LAYOUTS.items()
+        if world in worlds
     }
     saved = tmp_path_factory.mktemp(f"ckpt_world{world}")
     checks["resume"] = named_check(
@@ -90,14 +153,16 @@ def launch(request, reference, tmp_path_factory):
         check_resume_equals_uninterrupted,
         ("parallel.ep=2",),
         str(saved),
-        *reference,
+        *references["base"],
     )
-    return checks, run_checks(list(checks.values()), world, timeout=300), saved, exported
+    return checks, run_checks(list(checks.values()), world, timeout=900), saved, exported
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "resume"])
 def test_layout_equals_one_process(launch, layout):
     checks, report, _, _ = launch
+    if layout not in checks:
+        pytest.skip(f"{layout} runs at world {LAYOUTS[layout][2]}")
     report.assert_passed(checks[layout])
 
 

@@ -12,7 +12,7 @@ from qwen35_trainer.hf import export_hf, load_hf_weights
 from qwen35_trainer.model import build_config, build_model, moe_blocks, swap_moe_blocks
 from qwen35_trainer.objective import LossShares, TrainingObjective
 from qwen35_trainer.packing import PackedInputs, enable_packing, pack
-from qwen35_trainer.parallelize import TP_PLAN, Layout, check_layout, parallelize
+from qwen35_trainer.parallel import TP_PLAN, Layout, ParallelDims, check_layout, parallelize
 from qwen35_trainer.recipe import (
     DataRecipe,
     ModelRecipe,
@@ -34,6 +34,7 @@ __all__ = [
     "LossShares",
     "ModelRecipe",
     "PackedInputs",
+    "ParallelDims",
     "ParallelRecipe",
     "Recipe",
     "StepLog",

@@ -78,8 +78,12 @@ def sample(model: ModelRecipe, data: DataRecipe, index: int) -> Sample:
     vocab = text_vocab(model)
     g = torch.Generator().manual_seed(data.seed * 1_000_003 + index)
     lo, hi = data.text_tokens
-    pieces, pixels, grids = [], [], []
-    for _ in range(data.images_per_sample):
+    pieces, pixels, grids = [], [torch.zeros(0, row)], [torch.zeros(0, 3, dtype=torch.long)]
+    images = data.images_per_sample
+    if data.text_only is not None:
+        period, count = data.text_only
+        images = 0 if index % period >= period - count else images
+    for _ in range(images):
         grid = data.image_grids[int(torch.randint(len(data.image_grids), (1,), generator=g))]
         t, h, w = grid
         if h % merge or w % merge:
@@ -92,9 +96,9 @@ def sample(model: ModelRecipe, data: DataRecipe, index: int) -> Sample:
             torch.tensor([model.vision_end_token_id]),
         ]
         pixels.append(torch.randn(t * h * w, row, generator=g))
-        grids.append(grid)
+        grids.append(torch.tensor([grid]).long())
     pieces.append(_text(int(torch.randint(lo, hi + 1, (1,), generator=g)), vocab, g))
-    return Sample(torch.cat(pieces).long(), torch.cat(pixels), torch.tensor(grids).long())
+    return Sample(torch.cat(pieces).long(), torch.cat(pixels), torch.cat(grids))
 
 
 def collate(samples: list[Sample], model: ModelRecipe, pad_token_id: int) -> Batch:
@@ -119,7 +123,8 @@ def collate(samples: list[Sample], model: ModelRecipe, pad_token_id: int) -> Bat
 
 def rank_samples(model: ModelRecipe, data: DataRecipe, step: int, rank: int,
                  dp: int) -> list[Sample]:  # fmt: skip
-    """Rank ``rank``'s ``data.samples_per_rank`` samples of step ``step``."""
+    """Data-parallel group ``rank``'s (of ``dp``) ``data.samples_per_rank`` samples of step
+    ``step``."""
     n = data.samples_per_rank
     first = (step * dp + rank) * n
     return [sample(model, data, first + j) for j in range(n)]

@@ -1,16 +1,25 @@
 """The training objective: next-token cross-entropy plus the router load-balancing loss.
 
 Both are returned as this rank's SHARE of the global-batch loss, so that the shares summed over
-the data-parallel ranks are exactly the loss of one process on the whole global batch, and so
-are their gradients:
+the ranks holding different tokens are exactly the loss of one process on the whole global
+batch, and so are their gradients (every gradient reduction is a SUM,
+:mod:`qwen35_trainer.parallel.apply`):
 
 - cross-entropy: the sum over this rank's valid (shifted) labels divided by the number of
-  valid labels in the GLOBAL batch (:func:`chunked_loss.global_num_valid_tokens`), computed by
-  :func:`chunked_loss.linear_cross_entropy` from the final hidden states and ``lm_head`` without
-  [tokens, vocab] logits;
+  valid labels in the GLOBAL batch — of every micro-batch of the step, so that accumulating
+  micro-batches adds shares of one loss — computed by :func:`chunked_loss.linear_cross_entropy`
+  from the final hidden states and ``lm_head`` without [tokens, vocab] logits;
 - aux loss: transformers' ``load_balancing_loss_func`` over every MoE layer's router logits of
   the non-padding tokens (layers concatenated, as transformers does), as this rank's share
-  (:func:`moe_parallel.load_balancing_loss` with the data-parallel group).
+  (:func:`moe_parallel.load_balancing_loss` with the loss group). It is a product of two batch
+  means, not a sum over tokens, so under accumulation it is per micro-batch (as transformers
+  computes it per forward call).
+
+Ranks whose rows hold no image run the vision tower on a dummy frame (before the decoder, where
+the other ranks run it) and add 0 × its output, so FSDP's all-gathers and reduce-scatters of the
+vision blocks come in the same order on every rank (a rank that skips a module, or runs it at
+another point, hangs its peers or leaves them without its gradients) and the result is
+unchanged.
 
 The model and the loss run in ONE ``forward`` so that FSDP's root-unit hooks also gather the
 ``lm_head`` and embedding weights the loss and the model read.
@@ -25,12 +34,12 @@ import torch
 from torch import nn
 
 from chunked_loss import global_num_valid_tokens, linear_cross_entropy
-from moe_parallel import load_balancing_loss
+from moe_parallel import MoE, load_balancing_loss
 from qwen35_trainer.data import IGNORE_INDEX, Batch
 from qwen35_trainer.model import moe_blocks
 from qwen35_trainer.packing import PackedInputs, packed_hidden_states
 
-__all__ = ["LossShares", "TrainingObjective"]
+__all__ = ["LossShares", "RouterLogits", "TrainingObjective", "shifted_labels"]
 
 
 @dataclasses.dataclass
@@ -43,6 +52,22 @@ class LossShares:
     tokens: int  # valid labels in the global batch
 
 
+class RouterLogits:
+    """The MoE blocks' router logits of the last forward, in layer order: one collector built
+    once (the blocks are found when the objective is made, not by walking the module tree each
+    step)."""
+
+    def __init__(self, blocks: list[MoE]) -> None:
+        if not blocks:
+            raise ValueError("TrainingObjective needs the MoE blocks swapped (swap_moe_blocks)")
+        self.blocks = tuple(blocks)
+        self.top_k = blocks[0].top_k
+
+    def of_tokens(self, tokens_N: torch.Tensor) -> torch.Tensor:
+        """[layers * tokens, E]: every layer's logits of the tokens where ``tokens_N`` is set."""
+        return torch.cat([block.stats.router_logits[tokens_N] for block in self.blocks])
+
+
 class TrainingObjective(nn.Module):
     """Wraps a Qwen3.5 MoE-VLM (MoE blocks swapped, see :mod:`qwen35_trainer.model`)."""
 
@@ -50,34 +75,41 @@ class TrainingObjective(nn.Module):
         super().__init__()
         self.model = model
         self.loss_chunk_size = loss_chunk_size
-        self._no_split_modules = list(model._no_split_modules)
-        if not moe_blocks(model):
-            raise ValueError("TrainingObjective needs the MoE blocks swapped (swap_moe_blocks)")
+        self.router = RouterLogits(moe_blocks(model))
 
     def forward(
-        self, batch: Batch, group: Any = None, packed: PackedInputs | None = None
+        self,
+        batch: Batch,
+        group: Any = None,
+        packed: PackedInputs | None = None,
+        *,
+        num_valid_tokens: int | None = None,
     ) -> LossShares:
         """``group``: every rank holding other tokens of the global batch (``None`` for one
-        process); the valid labels are counted over it (one all-reduce). ``packed``: the
-        row's positions and layout when ``batch`` is one packed row (the model adapted with
-        :func:`qwen35_trainer.packing.enable_packing`); ``None`` for right-padded rows."""
+        process); the aux statistics (and, unless ``num_valid_tokens`` is given, the valid
+        labels) are summed over it. ``packed``: the row's positions and layout when ``batch``
+        is one packed row (the model adapted with :func:`qwen35_trainer.packing.enable_packing`);
+        ``None`` for right-padded rows. ``num_valid_tokens``: the step's global valid-label
+        count when the caller counted it (over all micro-batches)."""
+        vlm = self.model.model
+        # before the decoder, where ranks with images run the tower: FSDP's collectives then
+        # come in the same order on every rank
+        dummy = None if batch.pixel_values.numel() else dummy_vision(vlm)
         if packed is None:
-            outputs = self.model.model(
+            outputs = vlm(
                 input_ids=batch.input_ids,
                 attention_mask=batch.attention_mask,
                 mm_token_type_ids=batch.mm_token_type_ids,
-                pixel_values=batch.pixel_values,
-                image_grid_thw=batch.image_grid_thw,
+                pixel_values=batch.pixel_values if batch.pixel_values.numel() else None,
+                image_grid_thw=batch.image_grid_thw if batch.pixel_values.numel() else None,
                 use_cache=False,
             )
             hidden_BSH = outputs.last_hidden_state[:, :-1]
             labels_BS, tokens_BS = shifted_labels(batch), batch.attention_mask
         else:
-            hidden_BSH, labels_BS, tokens_BS = packed_hidden_states(self.model.model, batch, packed)
-        if group is None:  # one process, or TP peers only: nothing to sum over
-            num_valid_tokens = int((labels_BS != IGNORE_INDEX).sum())
-        else:
-            num_valid_tokens = global_num_valid_tokens(labels_BS, group=group)
+            hidden_BSH, labels_BS, tokens_BS = packed_hidden_states(vlm, batch, packed)
+        if num_valid_tokens is None:
+            num_valid_tokens = count_valid_labels(labels_BS, group)
         head = self.model.lm_head
         ce = linear_cross_entropy(
             hidden_BSH,
@@ -88,10 +120,31 @@ class TrainingObjective(nn.Module):
             chunk_size=self.loss_chunk_size,
             num_valid_tokens=num_valid_tokens,
         )
-        tokens = tokens_BS.reshape(-1).bool()
-        logits = torch.cat([block.stats.router_logits[tokens] for block in moe_blocks(self.model)])
-        aux = load_balancing_loss(logits, moe_blocks(self.model)[0].top_k, group=group)
+        if dummy is not None:
+            ce = ce + 0.0 * dummy.sum().float()
+        logits = self.router.of_tokens(tokens_BS.reshape(-1).bool())
+        aux = load_balancing_loss(logits, self.router.top_k, group=group)
         return LossShares(ce=ce, aux=aux, tokens=num_valid_tokens)
+
+
+def count_valid_labels(labels: torch.Tensor, group: Any = None) -> int:
+    """Valid labels of ``labels`` summed over ``group`` (one all-reduce; ``None``: local)."""
+    if group is None:
+        return int((labels != IGNORE_INDEX).sum())
+    return global_num_valid_tokens(labels, group=group)
+
+
+def dummy_vision(vlm: nn.Module) -> torch.Tensor:
+    """The vision tower's merged features of one zero frame of the smallest grid (one merged
+    token): run by rows without images so every rank runs the tower (see the module docstring)."""
+    tower = vlm.visual
+    merge = tower.spatial_merge_size
+    config = tower.config
+    row = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    device = next(tower.parameters()).device
+    pixels = torch.zeros(merge * merge, row, device=device, dtype=tower.dtype)
+    grid = torch.tensor([[1, merge, merge]], device=device)
+    return tower(pixels, grid_thw=grid).pooler_output
 
 
 def shifted_labels(batch: Batch) -> torch.Tensor:

@@ -54,14 +54,26 @@ class DataRecipe:
     """Synthetic multimodal samples: text tokens around ``images_per_sample`` images whose patch
     grids [t, h, w] are drawn from ``image_grids``; ``samples_per_rank`` per rank and step, as
     right-padded rows, or with ``packing`` as ONE row of concatenated documents kept apart in
-    every layer (:mod:`qwen35_trainer.packing`)."""
+    every layer (:mod:`qwen35_trainer.packing`). ``text_only``: ``[period, count]`` — the last
+    ``count`` of every ``period`` samples carry no image (text-only rows)."""
 
     samples_per_rank: int = 2
     packing: bool = False
     text_tokens: tuple[int, int] = (8, 24)
     image_grids: tuple[tuple[int, int, int], ...] = ((1, 4, 4),)
     images_per_sample: int = 1
+    text_only: tuple[int, int] | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.text_only is not None and not 0 <= self.text_only[1] <= self.text_only[0]:
+            raise ValueError(
+                f"data.text_only must be [period, count] with 0 <= count <= period, got "
+                f"{list(self.text_only)}"
+            )
+
+
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +84,11 @@ class TrainRecipe:
     blocks in backward (:func:`moe_parallel.apply_activation_checkpointing`).
     ``checkpoint_dir``: save there every ``checkpoint_every`` steps (0: only after the last) and
     resume from its newest complete checkpoint (:mod:`qwen35_trainer.checkpoint`).
-    ``export_dir``: write the trained model there as a transformers checkpoint."""
+    ``export_dir``: write the trained model there as a transformers checkpoint. ``dtype``:
+    ``float32``, or ``bfloat16`` parameters and compute with fp32 master weights and fp32
+    gradient reduction (FSDP2 mixed precision; loss, router and Gated DeltaNet statistics stay
+    fp32). ``grad_accum_steps``: micro-batches per optimizer step (each rank's samples split
+    evenly), normalised by the step's global valid-label count."""
 
     steps: int = 10
     optimizer: str = "adamw"
@@ -80,7 +96,7 @@ class TrainRecipe:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    grad_clip: float = 1.0
+    grad_clip: float | None = 1.0
     seed: int = 0
     loss_chunk_size: int | None = None
     router_aux_loss_coef: float | None = None
@@ -89,21 +105,38 @@ class TrainRecipe:
     checkpoint_every: int = 0
     export_dir: str | None = None
     log_every: int = 1
+    dtype: str = "float32"
+    grad_accum_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(
+                f"train.grad_clip must be > 0, or null to measure the norm without clipping; got "
+                f"{self.grad_clip} (0 would zero every gradient, a negative value reverse them)"
+            )
+        if self.grad_accum_steps < 1:
+            raise ValueError(f"train.grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelRecipe:
-    """``dp``: data-parallel groups, each with its own rows; ``cp``: context-parallel ranks per
-    group, sharing one packed row (needs ``data.packing``); all sharded with FSDP2. ``ep``: expert-parallel ranks (divides every MoE's expert
-    count; without CP it divides ``dp``, EP ranks being DP ranks; with CP it equals ``cp``,
-    EP ranks being the CP ranks). ``tp``: tensor-parallel ranks per DP group (same rows;
-    attention heads and the shared expert split; not combined with CP or EP yet); the world
-    size is ``dp * cp * tp``."""
+    """``dp``: FSDP-sharded data-parallel groups, each with its own rows; ``dp_replicate``:
+    HSDP replicas of those (each its own rows too); ``cp``: context-parallel ranks per group,
+    sharing one packed row (needs ``data.packing``); ``tp``: tensor-parallel ranks holding the
+    same tokens (attention heads and the shared expert split). The world size is
+    ``dp_replicate * dp * cp * tp``. ``ep``: expert-parallel ranks, borrowed from the ``dp * cp``
+    ranks (it must divide ``dp * cp`` and every MoE's expert count); ``ep_first``: which of
+    ``cp`` / ``dp`` an EP group takes its ranks from first (``cp``: EP groups inside one CP
+    group while ``ep <= cp``). See :class:`qwen35_trainer.parallel.ParallelDims`."""
 
     dp: int = 1
+    dp_replicate: int = 1
     cp: int = 1
     ep: int = 1
     tp: int = 1
+    ep_first: str = "cp"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,17 +1,24 @@
-"""The training loop: one process, or ``dp x cp`` ranks (FSDP2, optionally EP or CP).
+"""The training loop: one process, or any ``(dp_replicate, dp, cp, tp, ep)`` layout.
 
 Why the ranks take the same step as one process on the global batch: every rank builds the same
-initial weights (seeded), takes its tokens of the step's global batch (its DP group's rows, and
-under CP its pieces of the packed row), and computes its SHARE of the global loss
-(:mod:`qwen35_trainer.objective`); the gradient of the global loss is the SUM of the shares'
-gradients. FSDP2 reduce-scatters the MEAN over all ``world`` ranks, so each rank backpropagates
-``world * share`` (the layouts and their gradient factors: :mod:`qwen35_trainer.parallelize`).
-Clipping uses the norm of the full (DTensor) gradients, the same number on every rank
-(:mod:`qwen35_trainer.grad_norm`), and the optimizer (:func:`safe_optim.build_optimizer`, safe
-with empty local shards) updates each shard as the single process updates the whole tensor.
+initial weights (seeded), takes its tokens of the step's global batch (its data-parallel
+group's rows, and under CP its pieces of the packed row; TP peers take the same) and
+backpropagates its SHARE of the global loss (:mod:`qwen35_trainer.objective`); every gradient
+reduction is a SUM (:mod:`qwen35_trainer.parallel.apply`), so the reduced gradient is the
+gradient of the global loss. The valid labels of ALL the step's micro-batches are counted once
+before the first forward (one all-reduce), so with ``train.grad_accum_steps`` the micro-batches'
+shares add up to the same loss. Clipping uses the norm of the full gradients over every mesh,
+the same number on every rank (:func:`fsdp_compat.clip_grad_norm`), and the optimizer
+(:func:`safe_optim.build_optimizer`, safe with empty local shards) updates each shard as the
+single process updates the whole tensor.
 
-The logged loss is the sum of the shares over ranks (one all-reduce), i.e. the global batch's
-loss, identical on every rank.
+``train.dtype: bfloat16``: FSDP2 mixed precision (bf16 parameters and compute, fp32 sharded
+master weights, fp32 reduction). One process then runs the same FSDP2 code on a one-rank
+process group made here (and destroyed at the end), so one process and every layout round
+alike.
+
+The logged loss is the sum of the shares over the loss group (one all-reduce), i.e. the global
+batch's loss, identical on every rank.
 """
 
 from __future__ import annotations
@@ -24,14 +31,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from fsdp_compat import clip_grad_norm
 from qwen35_trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from qwen35_trainer.data import collate, rank_samples
-from qwen35_trainer.grad_norm import clip_grad_norm
+from qwen35_trainer.data import IGNORE_INDEX, collate, rank_samples
 from qwen35_trainer.hf import export_hf
 from qwen35_trainer.model import build_model
 from qwen35_trainer.objective import TrainingObjective
 from qwen35_trainer.packing import PackedInputs, enable_packing, pack, row_layout
-from qwen35_trainer.parallelize import check_layout, parallelize
+from qwen35_trainer.parallel import Layout, check_layout, parallelize
 from qwen35_trainer.recipe import Recipe
 from safe_optim import build_optimizer
 
@@ -53,7 +60,8 @@ class StepLog:
 
 @dataclasses.dataclass
 class TrainResult:
-    """The step logs and the trained objective (its parameters are DTensor shards when dp > 1)."""
+    """The step logs and the trained objective (its parameters are DTensor shards when
+    distributed)."""
 
     logs: list[StepLog]
     objective: TrainingObjective
@@ -67,10 +75,19 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _init_distributed() -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+def _init_distributed(one_rank_group: bool) -> bool:
+    """Create the process group under torchrun, or a one-rank group when asked; returns
+    whether it was made here for one process (to destroy at the end)."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group(backend)
+        return False
+    if not one_rank_group:
+        return False
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
 
 
 def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -> TrainResult:
@@ -78,11 +95,19 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
 
     Under ``torchrun`` (``WORLD_SIZE`` > 1) the process group is created here unless it exists.
     """
-    dp = recipe.parallel.dp
+    bf16 = recipe.train.dtype == "bfloat16"
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         check_layout(recipe.parallel, world, packing=recipe.data.packing)
-    _init_distributed()
+    own_group = _init_distributed(one_rank_group=bf16)
+    try:
+        return _train(recipe, on_step, bf16)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
     device = _device()
     model = build_model(recipe.model, seed=recipe.train.seed).to(device)
     if recipe.data.packing:
@@ -94,6 +119,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
         device,
         packing=recipe.data.packing,
         activation_checkpointing=recipe.train.activation_checkpointing,
+        param_dtype=torch.bfloat16 if bf16 else None,
+        force_fsdp=bf16,
     )
     optimizer = build_optimizer(
         objective.parameters(),
@@ -104,34 +131,28 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
         weight_decay=recipe.train.weight_decay,
     )
     start = _resume(recipe, objective, optimizer, device)
-    text = model.config.text_config
-    rope_index = model.model.get_rope_index
     coef = recipe.train.router_aux_loss_coef
-    coef = text.router_aux_loss_coef if coef is None else coef
+    coef = model.config.text_config.router_aux_loss_coef if coef is None else coef
     logs = []
     for step in range(start, recipe.train.steps):
         began = time.perf_counter()
-        samples = rank_samples(recipe.model, recipe.data, step, layout.data_rank, dp)
-        packed = None
-        if recipe.data.packing:
-            row = pack(samples, recipe.model, rope_index, text.pad_token_id)
-            batch = row.batch.to(device)
-            packed = PackedInputs(row.position_ids.to(device), row_layout(row, layout.cp),
-                                  layout.cp_group)  # fmt: skip
-        else:
-            batch = collate(samples, recipe.model, text.pad_token_id).to(device)
-        shares = objective(batch, layout.data_group, packed)
-        (layout.world * (shares.ce + coef * shares.aux)).backward()
-        layout.after_backward(objective)
+        micro = _micro_batches(recipe, model, layout, step, device)
+        num_valid = _count_valid(micro, layout, device)
+        ce = aux = torch.zeros((), device=device)
+        for batch, packed in micro:
+            shares = objective(batch, layout.loss_group, packed, num_valid_tokens=num_valid)
+            micro_aux = shares.aux / len(micro)
+            (shares.ce + coef * micro_aux).backward()
+            ce, aux = ce + shares.ce.detach(), aux + micro_aux.detach()
         grad_norm = clip_grad_norm(objective.parameters(), recipe.train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        totals = torch.stack([shares.ce.detach(), shares.aux.detach()]).float()
-        if layout.data_group is not None:
-            dist.all_reduce(totals, group=layout.data_group)
-        ce, aux = totals.tolist()
-        log = StepLog(step + 1, ce + coef * aux, ce, aux, grad_norm, shares.tokens,
-                      time.perf_counter() - began)  # fmt: skip
+        totals = torch.stack([ce, aux]).float()
+        if layout.loss_group is not None:
+            dist.all_reduce(totals, group=layout.loss_group)
+        ce_total, aux_total = totals.tolist()
+        log = StepLog(step + 1, ce_total + coef * aux_total, ce_total, aux_total, grad_norm,
+                      num_valid, time.perf_counter() - began)  # fmt: skip
         logs.append(log)
         if on_step is not None:
             on_step(log)
@@ -143,6 +164,41 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
     if recipe.train.export_dir:
         export_hf(objective.model, recipe.train.export_dir)
     return TrainResult(logs, objective)
+
+
+def _micro_batches(recipe: Recipe, model, layout: Layout, step: int, device: torch.device):
+    """This rank's ``(batch, packed inputs or None)`` per micro-batch of step ``step``."""
+    samples = rank_samples(recipe.model, recipe.data, step, layout.data_index, layout.data_size)
+    n = recipe.train.grad_accum_steps
+    if len(samples) % n:
+        raise ValueError(
+            f"data.samples_per_rank={len(samples)} must be a multiple of "
+            f"train.grad_accum_steps={n} (each micro-batch takes the same number of samples)"
+        )
+    pad = model.config.text_config.pad_token_id
+    size = len(samples) // n
+    out = []
+    for first in range(0, len(samples), size):
+        part = samples[first : first + size]
+        if recipe.data.packing:
+            row = pack(part, recipe.model, model.model.get_rope_index, pad)
+            packed = PackedInputs(row.position_ids.to(device), row_layout(row, layout.cp),
+                                  layout.cp_group)  # fmt: skip
+            out.append((row.batch.to(device), packed))
+        else:
+            out.append((collate(part, recipe.model, pad).to(device), None))
+    return out
+
+
+def _count_valid(micro, layout: Layout, device: torch.device) -> int:
+    """The step's valid next-token labels over every micro-batch and every data group. CP
+    ranks share their rows, so each counts its whole rows and the sum is divided by ``cp``."""
+    local = sum(int((batch.labels[:, 1:] != IGNORE_INDEX).sum()) for batch, _ in micro)
+    if layout.loss_group is None:
+        return local
+    total = torch.tensor([local], device=device)
+    dist.all_reduce(total, group=layout.loss_group)
+    return int(total) // layout.cp
 
 
 def _resume(recipe: Recipe, objective, optimizer, device: torch.device) -> int:

@@ -1,0 +1,178 @@
+"""``ParallelDims``: every parallel degree of a run, validated once, and every device mesh.
+
+Degrees: ``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP-sharded data-parallel ranks;
+recipe ``parallel.dp``), ``cp`` (context-parallel ranks sharing one packed row), ``tp``
+(tensor-parallel ranks holding the same tokens) and ``ep`` (expert-parallel ranks). The world is
+``dp_replicate * dp_shard * cp * tp``; EP adds no ranks: it BORROWS them from the
+``dp_shard * cp`` ranks that hold different tokens (the rule of torchtitan's ParallelDims), so
+``ep`` must divide ``dp_shard * cp`` and the remaining factor ``efsdp = dp_shard * cp / ep`` is
+the experts' FSDP dimension.
+
+The meshes (built once by :meth:`ParallelDims.build`; nothing else in the trainer builds one):
+
+- ``dense``: ``(dp_replicate, dp_shard, cp, tp)`` over the launched ranks, with the flattened
+  views ``batch`` (dp_replicate × dp_shard × cp: the ranks holding different tokens, the loss
+  group) and ``dp_shard_cp`` (the FSDP shard group of the dense parameters, replicated over
+  ``dp_replicate`` for HSDP);
+- ``expert`` (``ep > 1``): ``(dp_replicate, efsdp, ep, tp)`` over the SAME ranks. Its rank grid
+  is the dense grid with ``dp_shard`` split as ``(dp_shard / e_dp, e_dp)`` and ``cp`` as
+  ``(cp / e_cp, e_cp)`` where ``ep = e_dp * e_cp``, the EP factors moved inside:
+  ``ep_first="cp"`` takes ``e_cp = gcd(ep, cp)`` (EP 8 inside CP 32, as the published 122B run;
+  EP equal to a CP group; EP spanning CP groups when ``ep > cp``), ``ep_first="dp"`` takes
+  ``e_dp = gcd(ep, dp_shard)`` first. ``gcd`` always leaves a cofactor dividing the other dim
+  when ``ep`` divides ``dp_shard * cp`` (``ep / g`` and ``cp / g`` are coprime), so the check
+  below is exactly the condition.
+
+Correctness argument: the expert grid is derived from the dense mesh's own rank tensor (no rank
+order is assumed), each rank appears once in each grid, and the EP group of a rank contains only
+ranks with its ``dp_replicate`` and ``tp`` coordinates: EP exchanges tokens only between ranks
+holding DIFFERENT tokens of the same model replica, and each token reaches its experts once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_compat import flatten_mesh
+
+__all__ = ["EP_FIRST", "Meshes", "ParallelDims"]
+
+EP_FIRST = ("cp", "dp")
+
+
+@dataclasses.dataclass
+class Meshes:
+    """Every mesh of a run. ``dense`` dims: dp_replicate, dp_shard, cp, tp; ``expert`` dims:
+    dp_replicate, efsdp, ep, tp (``None`` without EP); ``batch``: the loss group's 1-D mesh."""
+
+    dims: ParallelDims
+    dense: DeviceMesh
+    batch: DeviceMesh
+    shard: DeviceMesh
+    expert: DeviceMesh | None
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.dense["cp"]
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.dense["tp"]
+
+    @property
+    def ep(self) -> DeviceMesh:
+        return self.expert["ep"]
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh:
+        """The experts' FSDP mesh: efsdp, or (dp_replicate, efsdp) for HSDP."""
+        if self.dims.dp_replicate > 1:
+            return self.expert["dp_replicate", "efsdp"]
+        return self.expert["efsdp"]
+
+    def data_index(self) -> int:
+        """Which data-parallel group's rows this rank takes (0 .. dp_replicate·dp_shard - 1)."""
+        r, d, _, _ = self.dense.get_coordinate()
+        return r * self.dims.dp_shard + d
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    """The degrees of a run; invalid combinations raise ``ValueError`` with every reason."""
+
+    world: int
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    ep_first: str = "cp"
+
+    def __post_init__(self) -> None:
+        reasons = self.refusals()
+        if reasons:
+            raise ValueError("invalid parallel layout: " + "; ".join(reasons))
+
+    def refusals(self) -> list[str]:
+        """Why this layout cannot run (empty when it can)."""
+        names = {"parallel.dp_replicate": self.dp_replicate, "parallel.dp": self.dp_shard,
+                 "parallel.cp": self.cp, "parallel.tp": self.tp, "parallel.ep": self.ep}  # fmt: skip
+        bad = [f"{k} must be an integer >= 1, got {v!r}" for k, v in names.items()
+               if isinstance(v, bool) or not isinstance(v, int) or v < 1]  # fmt: skip
+        if bad:
+            return bad
+        reasons = []
+        ranks = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        if ranks != self.world:
+            reasons.append(
+                f"parallel.dp_replicate={self.dp_replicate} x dp={self.dp_shard} x "
+                f"cp={self.cp} x tp={self.tp} = {ranks} ranks, but the launched world size "
+                f"(WORLD_SIZE) is {self.world}: launch with `torchrun --nproc-per-node {ranks} "
+                "...` or change the degrees (EP borrows ranks, it adds none)"
+            )
+        if (self.dp_shard * self.cp) % self.ep:
+            reasons.append(
+                f"parallel.ep={self.ep} must divide parallel.dp x parallel.cp = "
+                f"{self.dp_shard * self.cp}: expert parallelism borrows its ranks from the "
+                "data-parallel and context-parallel ranks, which hold different tokens"
+            )
+        if self.ep_first not in EP_FIRST:
+            reasons.append(f"parallel.ep_first must be one of {EP_FIRST}, got {self.ep_first!r}")
+        return reasons
+
+    @property
+    def batch(self) -> int:
+        """Ranks holding different tokens of the global batch (TP peers hold the same)."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel groups, each taking its own rows."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def efsdp(self) -> int:
+        return self.dp_shard * self.cp // self.ep
+
+    @property
+    def ep_factors(self) -> tuple[int, int]:
+        """``(e_dp, e_cp)``: how many dp_shard and cp ranks one EP group spans."""
+        if self.ep_first == "cp":
+            e_cp = math.gcd(self.ep, self.cp)
+            return self.ep // e_cp, e_cp
+        e_dp = math.gcd(self.ep, self.dp_shard)
+        return e_dp, self.ep // e_dp
+
+    def expert_grid(self, dense_ranks: torch.Tensor) -> torch.Tensor:
+        """[dp_replicate, efsdp, ep, tp] rank ids from the dense mesh's rank tensor."""
+        e_dp, e_cp = self.ep_factors
+        r, d, c, t = self.dp_replicate, self.dp_shard, self.cp, self.tp
+        grid = dense_ranks.reshape(r, d // e_dp, e_dp, c // e_cp, e_cp, t)
+        return grid.permute(0, 1, 3, 2, 4, 5).reshape(r, self.efsdp, self.ep, t)
+
+    def build(self, device_type: str) -> Meshes:
+        """Every mesh (all ranks must call it: each dim creates its process groups)."""
+        names = ("dp_replicate", "dp_shard", "cp", "tp")
+        shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        dense = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        batch = flatten_mesh(dense, ("dp_replicate", "dp_shard", "cp"), "batch")
+        shard = flatten_mesh(dense, ("dp_shard", "cp"))
+        expert = None
+        if self.ep > 1:
+            expert = DeviceMesh(
+                device_type,
+                self.expert_grid(dense.mesh),
+                mesh_dim_names=("dp_replicate", "efsdp", "ep", "tp"),
+            )
+        return Meshes(self, dense, batch, shard, expert)
+
+    @classmethod
+    def from_recipe(cls, spec: Any, world: int) -> ParallelDims:
+        """From a recipe's ``parallel`` section (``dp`` is the FSDP-sharded degree)."""
+        return cls(world=world, dp_shard=spec.dp, dp_replicate=spec.dp_replicate, cp=spec.cp,
+                   tp=spec.tp, ep=spec.ep, ep_first=spec.ep_first)  # fmt: skip
