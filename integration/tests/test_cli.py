@@ -39,9 +39,9 @@ def test_bad_recipe_exits_2_with_the_reason(capsys, tmp_path):
 def test_layouts_that_do_not_fit_are_refused(capsys):
     assert main([str(TINY), "--set", "parallel.dp=2"]) == 2
     err = capsys.readouterr().err
-    assert "parallel.dp=2 x parallel.cp=1 x parallel.tp=1 must equal the launched world" in err
+    assert "dp=2 x cp=1 x tp=1 = 2 ranks, but the launched world size (WORLD_SIZE) is 1" in err
     assert main([str(TINY), "--set", "parallel.ep=3"]) == 2
-    assert "parallel.ep=3 must divide parallel.dp=1" in capsys.readouterr().err
+    assert "parallel.ep=3 must divide parallel.dp x parallel.cp = 1" in capsys.readouterr().err
 
 
 def test_torchrun_two_ranks():

@@ -33,6 +33,7 @@ from qwen35_trainer.parallel.apply import check_tp_heads
         (dict(dp=2, tp=0), 2, False, r"parallel.tp must be an integer >= 1, got 0"),
         (dict(dp=2, ep_first="tp"), 2, False, r"parallel.ep_first must be one of \('cp', 'dp'\)"),
         (dict(dp=2, dp_replicate=2), 2, False, r"dp_replicate=2 x dp=2 .* = 4 ranks"),
+        (dict(dp=1, tp=2), 2, False, r"parallel.tp > 1 needs data.packing: the TP-split Gated"),
     ],
 )  # fmt: skip
 def test_every_refusal_says_why(spec, world, packing, message):

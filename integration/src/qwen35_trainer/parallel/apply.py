@@ -4,7 +4,8 @@ Every mesh comes from :class:`~qwen35_trainer.parallel.dims.ParallelDims`; this 
 places the model on them:
 
 - TP (``tp > 1``): :data:`~qwen35_trainer.parallel.tp_plan.TP_PLAN` on the dense mesh's "tp"
-  dim — attention heads and the shared expert split, routed experts and routers never;
+  dim — attention heads and the shared expert split, routed experts and routers never — and
+  every Gated DeltaNet layer split by heads (:mod:`qwen35_trainer.parallel.tp_gdn`);
 - EP (``ep > 1``): every MoE's routed experts ``Shard(0)`` on the expert mesh's "ep" dim
   (:func:`moe_parallel.apply_expert_parallel`; tokens travel to their experts' ranks and back);
 - activation checkpointing of decoder and vision blocks;
@@ -35,12 +36,18 @@ import torch
 from fsdp_compat import MixedPrecision, shard_model
 from moe_parallel import apply_activation_checkpointing, apply_expert_parallel, apply_tensor_parallel
 from qwen35_trainer.parallel.dims import Meshes
+from qwen35_trainer.parallel.tp_gdn import split_gated_deltanet
 from qwen35_trainer.parallel.tp_plan import TP_PLAN
 
-__all__ = ["FSDP_UNITS", "apply_parallelism", "check_tp_heads"]
+__all__ = ["FSDP_UNITS", "apply_parallelism", "check_tp_heads", "gated_deltanet_layers"]
 
 # The blocks FSDP shards as units (each all-gathered just before it runs).
 FSDP_UNITS = ("Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock")
+
+
+def gated_deltanet_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformers Gated DeltaNet layers (the decoder's linear-attention mixers)."""
+    return [m for m in model.modules() if type(m).__name__ == "Qwen3_5MoeGatedDeltaNet"]
 
 
 def check_tp_heads(text_config, tp: int) -> None:
@@ -75,6 +82,8 @@ def apply_parallelism(
     if dims.tp > 1:
         check_tp_heads(model.config.text_config, dims.tp)
         apply_tensor_parallel(model, meshes.tp, TP_PLAN)
+        for layer in gated_deltanet_layers(model):
+            split_gated_deltanet(layer, meshes.tp)
     if dims.ep > 1:
         apply_expert_parallel(model, meshes.ep)
     if activation_checkpointing:

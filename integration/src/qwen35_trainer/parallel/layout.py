@@ -64,6 +64,11 @@ def check_layout(spec: Any, world: int, *, packing: bool) -> ParallelDims:
             "parallel.cp > 1 needs data.packing: context parallelism splits ONE packed row "
             "over the CP ranks by its document layout"
         )
+    if spec.tp > 1 and not packing:
+        reasons.append(
+            "parallel.tp > 1 needs data.packing: the TP-split Gated DeltaNet layers run "
+            "cp-varlen-attn's packed forward on this rank's heads"
+        )
     if reasons:
         raise ValueError("invalid parallel layout: " + "; ".join(reasons))
     return dims
