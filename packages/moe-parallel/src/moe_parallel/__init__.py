@@ -3,7 +3,6 @@
 from moe_parallel.checkpointing import apply_activation_checkpointing, sdpa_preserving_context
 from moe_parallel.dispatch import all_to_all_expert_compute
 from moe_parallel.expert_parallel import apply_expert_parallel
-from moe_parallel.grad_scale import scale_expert_grads
 from moe_parallel.grouped import expert_swiglu
 from moe_parallel.moe import MoE, MoEStats, load_balancing_loss
 from moe_parallel.tensor_parallel import apply_tensor_parallel, validate_tp_plan
@@ -21,7 +20,6 @@ __all__ = [
     "apply_tensor_parallel",
     "expert_swiglu",
     "load_balancing_loss",
-    "scale_expert_grads",
     "sdpa_preserving_context",
     "swap_moe_blocks",
     "validate_tp_plan",

@@ -27,8 +27,8 @@ def apply_expert_parallel(
     ``tp_mesh``: the 1-D TP mesh when the EP group spans tensor-parallel ranks that hold
     identical tokens. Each TP rank then dispatches only its 1/tp block of tokens and the expert
     outputs are gathered over TP (:mod:`moe_parallel.token_split`), so every token reaches its
-    experts once and expert gradients are exact without :func:`scale_expert_grads`. Every rank
-    of ``tp_mesh`` must belong to ``ep_mesh``.
+    experts once and expert gradients are exact (without it they come out tp times too large).
+    Every rank of ``tp_mesh`` must belong to ``ep_mesh``.
 
     Rank 0's full expert weights are scattered (``distribute_tensor``); rank r keeps experts
     r*L .. r*L+L-1. Returns ``model``.
