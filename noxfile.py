@@ -1,4 +1,5 @@
-"""Sessions: ``tests`` (one per package, each in its own environment), ``lint`` and ``bench``.
+"""Sessions: ``tests`` (one per package, each in its own environment), ``lint``, ``bench`` and
+``gpu`` (everything that needs a CUDA GPU, as one unattended run).
 
 Each ``tests`` environment is built with ``uv sync --package <name> --group test`` from the
 committed lock, so it holds ONLY that package, its own dependencies and its test group: a
@@ -7,6 +8,7 @@ package that forgets to declare a dependency fails here, not on a user's machine
 
 from __future__ import annotations
 
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -96,3 +98,51 @@ def bench(session: nox.Session) -> None:
         _sync(session, package, *(("--group", "bench") if _has_group(path, "bench") else ()))
         for script in scripts:
             session.run("python", str(script), *session.posargs, env=_test_env())
+
+
+def _has_extra(path: Path, extra: str) -> bool:
+    with open(path / "pyproject.toml", "rb") as f:
+        return extra in tomllib.load(f).get("project", {}).get("optional-dependencies", {})
+
+
+# GPU benchmarks: (package, script, arguments), sized to finish in about a minute each on one H200.
+GPU_BENCHMARKS = [
+    ("chunked-loss", "benchmarks/bench_loss.py",
+     ["--device", "cuda", "--dtype", "bf16", "--tokens", "8192", "--hidden", "3072",
+      "--timeout", "180"]),
+]  # fmt: skip
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """Every GPU check as ONE run for a lent device (one H200, about 10 minutes): each package's
+    ``@pytest.mark.gpu`` tests with its ``gpu`` extra (TransformerEngine, flash-attn, fla), the
+    GPU benchmarks, then a one-GPU bf16 smoke run of the tiny recipe (20 steps, loss must fall).
+    Refuses to start without CUDA, so it never reports skipped GPU tests as a pass."""
+    if shutil.which("nvidia-smi") is None:
+        session.error("nox -s gpu needs a CUDA GPU: nvidia-smi is not on PATH")
+    env = {**_test_env(), "OMP_NUM_THREADS": "4"}
+    for package, path in MEMBERS.items():
+        _sync(session, package, *(("--extra", "gpu") if _has_extra(path, "gpu") else ()))
+        session.chdir(path)
+        # exit code 5: the package has no GPU test
+        session.run("pytest", "tests", "-m", "gpu", "-q", "-rs", env=env, success_codes=[0, 5])
+    for package, script, args in GPU_BENCHMARKS:
+        path = MEMBERS[package]
+        _sync(session, package, *(("--group", "bench") if _has_group(path, "bench") else ()))
+        session.chdir(path)
+        session.run("python", script, *args, env=env)
+    _sync(session, "qwen35-trainer")
+    session.chdir(ROOT)
+    session.run("python", "-c", GPU_SMOKE, env=env)
+
+
+GPU_SMOKE = """
+import torch
+from qwen35_trainer import load_recipe, train
+assert torch.cuda.is_available(), "the GPU smoke run needs CUDA"
+recipe = load_recipe("recipes/tiny.yaml", ["train.steps=20", "train.dtype=bfloat16"])
+logs = train(recipe, on_step=lambda log: print(log, flush=True)).logs
+assert logs[-1].loss < 0.8 * logs[0].loss, (logs[0].loss, logs[-1].loss)
+print("gpu smoke: tiny recipe in bf16 on one GPU, loss", logs[0].loss, "->", logs[-1].loss)
+"""

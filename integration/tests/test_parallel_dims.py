@@ -56,8 +56,9 @@ def test_layouts_of_the_issue_fit():
 
 
 def test_tp_must_split_heads_whole():
-    from qwen35_trainer import build_config
     from helpers import tiny
+
+    from qwen35_trainer import build_config
 
     text = build_config(tiny().model).text_config
     check_tp_heads(text, 2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import TINY, tiny
 
-from qwen35_trainer import ParallelRecipe, build_config, load_recipe, recipe_from_dict
+from qwen35_trainer import build_config, load_recipe, recipe_from_dict
 
 
 def test_tiny_recipe_loads_with_types():

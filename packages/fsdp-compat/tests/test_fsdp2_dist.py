@@ -319,7 +319,11 @@ def check_bad_inputs() -> None:
         (dict(mixed_precision=torch.bfloat16), TypeError, "fsdp_compat.MixedPrecision"),
         (dict(report_nan=True), ValueError, "megatron-fsdp options"),
         (dict(not_an_option=1), TypeError, r"\['not_an_option'\] are not fully_shard arguments"),
-        (dict(grad_reduction="avg"), ValueError, r"grad_reduction must be one of \('mean', 'sum'\)"),
+        (
+            dict(grad_reduction="avg"),
+            ValueError,
+            r"grad_reduction must be one of \('mean', 'sum'\)",
+        ),
         (dict(expert_mesh="ep"), TypeError, "expert_mesh must be a 1-D or 2-D DeviceMesh"),
         (dict(backend="megatron-fsdp", grad_reduction="sum"), ValueError, "are FSDP2 options"),
     ]

@@ -34,7 +34,11 @@ from __future__ import annotations
 import torch
 
 from fsdp_compat import MixedPrecision, shard_model
-from moe_parallel import apply_activation_checkpointing, apply_expert_parallel, apply_tensor_parallel
+from moe_parallel import (
+    apply_activation_checkpointing,
+    apply_expert_parallel,
+    apply_tensor_parallel,
+)
 from qwen35_trainer.parallel.dims import Meshes
 from qwen35_trainer.parallel.tp_gdn import split_gated_deltanet
 from qwen35_trainer.parallel.tp_plan import TP_PLAN

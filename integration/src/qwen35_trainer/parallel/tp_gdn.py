@@ -103,7 +103,9 @@ def qkv_rows(num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: in
 
 
 def _check(layer: nn.Module, tp: int) -> None:
-    uneven = {k: getattr(layer, k) for k in ("num_k_heads", "num_v_heads") if getattr(layer, k) % tp}
+    uneven = {
+        k: getattr(layer, k) for k in ("num_k_heads", "num_v_heads") if getattr(layer, k) % tp
+    }
     if uneven:
         raise ValueError(
             f"parallel.tp={tp} must divide the Gated DeltaNet head counts so each rank holds "
@@ -113,7 +115,9 @@ def _check(layer: nn.Module, tp: int) -> None:
     biased = [n for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d",
                           "out_proj") if getattr(layer, n).bias is not None]  # fmt: skip
     if biased:
-        raise ValueError(f"TP-split Gated DeltaNet expects bias-free projections; {biased} have one")
+        raise ValueError(
+            f"TP-split Gated DeltaNet expects bias-free projections; {biased} have one"
+        )
 
 
 def split_gated_deltanet(layer: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -23,13 +23,13 @@ __version__ = "0.2.0"
 
 __all__ = [
     "BACKENDS",
-    "BackendSignatureError",
     "GRAD_REDUCTIONS",
+    "BackendSignatureError",
     "MixedPrecision",
     "__version__",
     "build_megatron_call",
-    "clip_grad_norm",
     "check_megatron_tp_params",
+    "clip_grad_norm",
     "flatten_mesh",
     "get_mesh_dim",
     "megatron_tp_shape_bug",

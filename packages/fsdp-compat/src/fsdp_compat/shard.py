@@ -127,7 +127,9 @@ def shard_model(
     if not isinstance(ep_dim, str):
         raise TypeError(f"ep_dim must be a mesh dim name, got {ep_dim!r}")
     expert_mesh = options.pop("expert_mesh", None)
-    if expert_mesh is not None and (not isinstance(expert_mesh, DeviceMesh) or expert_mesh.ndim > 2):
+    if expert_mesh is not None and (
+        not isinstance(expert_mesh, DeviceMesh) or expert_mesh.ndim > 2
+    ):
         raise TypeError(f"expert_mesh must be a 1-D or 2-D DeviceMesh, got {expert_mesh!r}")
     reduction = options.pop("grad_reduction", "mean")
     if reduction not in GRAD_REDUCTIONS:
