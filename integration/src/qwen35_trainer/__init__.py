@@ -24,7 +24,7 @@ from qwen35_trainer.recipe import (
 )
 from qwen35_trainer.train import StepLog, TrainResult, train
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "TP_PLAN",
