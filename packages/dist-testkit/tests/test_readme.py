@@ -53,3 +53,27 @@ def test_an_unclosed_block_is_an_error(tmp_path):
     (tmp_path / "README.md").write_text("```python\nprint(1)\n")
     with pytest.raises(ValueError, match=r"README\.md:1: code block never closed"):
         readme_examples(tmp_path / "README.md")
+
+
+def _torchrun_example(tmp_path, body: str) -> Example:
+    return Example(tmp_path / "README.md", 3, "# torchrun --nproc-per-node 1 x.py\n" + body)
+
+
+def test_only_the_gloo_teardown_abort_is_run_again(tmp_path):
+    marker = tmp_path / "ran_once"
+    flaky = _torchrun_example(tmp_path, (
+        "import pathlib, sys\n"
+        f"marker = pathlib.Path({str(marker)!r})\n"
+        "if not marker.exists():\n"
+        "    marker.touch()\n"
+        "    print('terminate called without an active exception', flush=True)\n"
+        "    sys.exit(1)\n"
+        "print('second attempt ok', flush=True)\n"
+    ))  # fmt: skip
+    assert "second attempt ok" in run_example(flaky, timeout=120)
+    other = _torchrun_example(tmp_path, f"open({str(tmp_path / 'n')!r}, 'a').write('x')\n"
+                                        "raise SystemExit(3)\n")  # fmt: skip
+    with pytest.raises(AssertionError, match="exit code 1") as failed:
+        run_example(other, timeout=120)
+    assert "next attempt" not in str(failed.value)
+    assert (tmp_path / "n").read_text() == "x"  # ran once
