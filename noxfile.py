@@ -141,7 +141,8 @@ GPU_SMOKE = """
 import torch
 from qwen35_trainer import load_recipe, train
 assert torch.cuda.is_available(), "the GPU smoke run needs CUDA"
-recipe = load_recipe("recipes/tiny.yaml", ["train.steps=20", "train.dtype=bfloat16"])
+recipe = load_recipe("tiny", ["train.steps=20", "train.dtype=bfloat16", "parallel.dp=1",
+                             "parallel.cp=1", "parallel.ep=1"])
 logs = train(recipe, on_step=lambda log: print(log, flush=True)).logs
 assert logs[-1].loss < 0.8 * logs[0].loss, (logs[0].loss, logs[-1].loss)
 print("gpu smoke: tiny recipe in bf16 on one GPU, loss", logs[0].loss, "->", logs[-1].loss)

@@ -1,13 +1,14 @@
-"""Shared test builders: the repository's tiny recipe, smaller where a test needs speed."""
+"""Shared test builders: the built-in tiny recipe in ONE process (its own layout is 4 ranks),
+smaller where a test needs speed."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from qwen35_trainer import load_recipe
+from qwen35_trainer.recipe import recipe_path
 
-TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml"
+TINY = recipe_path("tiny")
+ONE_PROCESS = ("parallel.dp=1", "parallel.cp=1", "parallel.ep=1")
 
 
 def tiny(*overrides: str):
-    return load_recipe(TINY, overrides)
+    return load_recipe(TINY, [*ONE_PROCESS, *overrides])

@@ -9,10 +9,12 @@ from qwen35_trainer import train
 from qwen35_trainer.checkpoint import latest_checkpoint
 
 
-def test_resume_continues_bit_identically(tmp_path):
+def test_resume_continues_bit_identically(tmp_path, caplog):
     straight = train(tiny("train.steps=3"))
     first = train(tiny("train.steps=1", f"train.checkpoint_dir={tmp_path}"))
-    resumed = train(tiny("train.steps=3", f"train.checkpoint_dir={tmp_path}"))
+    with caplog.at_level("INFO", logger="qwen35_trainer"):
+        resumed = train(tiny("train.steps=3", f"train.checkpoint_dir={tmp_path}"))
+    assert f"resumed from step 1 of {tmp_path}" in caplog.text
     assert [log.step for log in first.logs] == [1]
     assert [log.step for log in resumed.logs] == [2, 3]
     for ours, ref in zip(resumed.logs, straight.logs[1:], strict=True):

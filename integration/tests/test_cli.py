@@ -1,15 +1,23 @@
-"""``qwen35-train``: the main job (the tiny recipe learns), errors, and a torchrun launch."""
+"""``qwen35-train``: the README's main command (the built-in tiny recipe on 4 local workers it
+starts itself, CP 2 × EP 2) leaves a complete run folder and learns; bad input gets one message
+and its exit code; a real torchrun launch."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 
-from helpers import TINY
+import pytest
+import yaml
 
+import qwen35_trainer.cli as cli
+from qwen35_trainer import load_recipe
 from qwen35_trainer.cli import main
+from qwen35_trainer.recipe import recipe_from_dict
+from qwen35_trainer.run_folder import METRIC_FIELDS
 
 LINE = re.compile(r"^step +(\d+)/(\d+)  loss ([0-9.]+)  ce ([0-9.]+)  aux ([0-9.]+)  ")
 
@@ -18,37 +26,85 @@ def _losses(text: str) -> list[float]:
     return [float(m.group(3)) for m in map(LINE.match, text.splitlines()) if m]
 
 
-def test_tiny_recipe_trains_and_the_loss_falls(capsys):
-    """The README's main job: the whole tiny recipe, one process."""
-    assert main([str(TINY)]) == 0
-    out = capsys.readouterr().out
+def test_main_command_trains_on_4_workers_and_fills_the_run_folder(capfd, tmp_path):
+    """``qwen35-train tiny``, shortened to 30 steps: 4 workers (DP 2 × CP 2, EP 2) started by
+    the command itself; rank 0 alone prints; the loss falls; the run folder has the resolved
+    recipe, every metric of every step, TensorBoard events, the plot and 4 rank logs."""
+    out_dir = tmp_path / "run"
+    assert main(["tiny", "--set", "train.steps=30", "--set", f"train.output_dir={out_dir}"]) == 0
+    out = capfd.readouterr().out
     losses = _losses(out)
-    assert len(losses) == 60, out
-    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert last < 0.5 * first, (first, last)
-    assert out.strip().splitlines()[-1].startswith("done: steps 1..60 of 60")
+    assert len(losses) == 30, out  # one line per step: only rank 0 prints
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+    assert out.strip().splitlines()[-1].startswith("done: steps 1..30 of 30")
+    resolved = recipe_from_dict(yaml.safe_load((out_dir / "recipe.yaml").read_text()))
+    assert resolved == load_recipe("tiny", ["train.steps=30", f"train.output_dir={out_dir}"])
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert all(set(r) == set(METRIC_FIELDS) for r in records)
+    assert [round(r["loss"], 4) for r in records] == losses
+    assert all(r["cp_imbalance"] >= 1.0 and r["tokens_per_s"] > 0 for r in records)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out_dir / "tensorboard"))
+    events.Reload()
+    assert len(events.Scalars("train/loss")) == 30
+    assert (out_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in (out_dir / "logs").iterdir()) == [
+        f"rank{r}.log" for r in range(4)
+    ]
 
 
-def test_bad_recipe_exits_2_with_the_reason(capsys, tmp_path):
-    assert main([str(TINY), "--set", "train.stepz=1"]) == 2
-    assert "unknown recipe key(s) ['train.stepz']" in capsys.readouterr().err
-    assert main([str(tmp_path / "missing.yaml")]) == 2
-    assert "No such file" in capsys.readouterr().err
+def test_bad_recipes_exit_2_with_one_message(capsys, tmp_path):
+    cases = [
+        (["tiny", "--set", "train.stepz=1"], "unknown recipe key(s) ['train.stepz']"),
+        ([str(tmp_path / "missing.yaml")], "no recipe file"),
+        (["tiny", "--set", "train.grad_clip=-1"], "train.grad_clip must be > 0, or null"),
+        (["tiny", "--set", "train.log_every=0"], "train.log_every must be >= 1, got 0"),
+        (["tiny", "--set", "train.steps=0"], "train.steps must be >= 1, got 0"),
+        (["tiny", "--nproc", "3"], "--nproc 3 is not a multiple of parallel.dp_replicate x cp"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("qwen35-train:") == 1 and message in err, (argv, err)
+        assert "Traceback" not in err
 
 
-def test_layouts_that_do_not_fit_are_refused(capsys):
-    assert main([str(TINY), "--set", "parallel.dp=2"]) == 2
+def test_layouts_that_do_not_fit_the_launch_are_refused(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")  # as if launched: no workers are started
+    assert main(["tiny"]) == 2
     err = capsys.readouterr().err
-    assert "dp=2 x cp=1 x tp=1 = 2 ranks, but the launched world size (WORLD_SIZE) is 1" in err
-    assert main([str(TINY), "--set", "parallel.ep=3"]) == 2
-    assert "parallel.ep=3 must divide parallel.dp x parallel.cp = 1" in capsys.readouterr().err
+    assert "dp=2 x cp=2 x tp=1 = 4 ranks, but the launched world size (WORLD_SIZE) is 1" in err
+    assert main(["tiny", "--set", "parallel.ep=3"]) == 2
+    assert "parallel.ep=3 must divide parallel.dp x parallel.cp = 4" in capsys.readouterr().err
 
 
-def test_torchrun_two_ranks():
+def test_an_internal_error_has_its_own_exit_code(capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli, "train", broken)
+    one = ["--set", "parallel.dp=1", "--set", "parallel.cp=1", "--set", "parallel.ep=1"]
+    assert main(["tiny", *one]) == cli.EXIT_INTERNAL == 4
+    err = capsys.readouterr().err
+    assert "internal error" in err and "RuntimeError: boom" in err
+
+
+def test_torchrun_two_ranks(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "-m", "qwen35_trainer.cli", str(TINY), "--set", "parallel.dp=2",
-           "--set", "data.samples_per_rank=2", "--set", "train.steps=2"]  # fmt: skip
+           "-m", "qwen35_trainer.cli", "tiny", "--set", "parallel.cp=1", "--set", "parallel.ep=1",
+           "--set", "data.samples_per_rank=2", "--set", "train.steps=2",
+           "--set", f"train.output_dir={tmp_path}"]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(_losses(done.stdout)) == 2, done.stdout  # rank 0 prints, rank 1 does not
+
+
+@pytest.mark.parametrize("flag", ["--help"])
+def test_help_names_outputs_and_builtin_recipes(capsys, flag):
+    with pytest.raises(SystemExit):
+        main([flag])
+    out = capsys.readouterr().out
+    assert "runs/<recipe>-<time>/" in out and "Built-in recipes: tiny" in out

@@ -76,3 +76,25 @@ def test_bad_train_values_are_refused():
         with pytest.raises(ValueError, match=message):
             tiny(override)
     assert tiny("train.grad_clip=null").train.grad_clip is None
+    with pytest.raises(ValueError, match=r"train.checkpoint_every must be >= 0, and 0 when"):
+        tiny("train.checkpoint_every=2")  # neither checkpoint_dir nor output_dir
+    with pytest.raises(ValueError, match=r"train.steps must be >= 1.*; train.lr must be >= 0"):
+        tiny("train.steps=0", "train.lr=-1")  # every bad value in one message
+
+
+def test_model_shapes_that_do_not_fit_are_refused_before_building():
+    with pytest.raises(ValueError, match=r"expected model.vision.out_hidden_size equals "
+                                         r"model.text.hidden_size .*vision hidden 32, heads 4, "
+                                         r"out 48"):  # fmt: skip
+        build_config(tiny("model.vision.out_hidden_size=48").model)
+    with pytest.raises(
+        ValueError,
+        match=r"transformers refuses the config: .*`num_hidden_layers` "
+        r"\(3\) must be equal to the number of `layer_types`",
+    ):
+        build_config(tiny("model.text.num_hidden_layers=3").model)
+    with pytest.raises(ValueError, match=r"num_key_value_heads divides num_attention_heads"):
+        build_config(tiny("model.text.num_key_value_heads=3").model)
+    with pytest.raises(ValueError, match=r"model.weights: '/missing/dir' is not a transformers "
+                                         r"checkpoint directory"):  # fmt: skip
+        build_config(tiny("model.weights=/missing/dir").model)

@@ -1,27 +1,47 @@
-"""``qwen35-train RECIPE [--set section.key=value ...]``: run a recipe, print one line per step.
+"""``qwen35-train RECIPE [--set section.key=value ...] [--nproc N]``: train a recipe.
 
-One process by default; under ``torchrun --nproc-per-node N`` (with ``parallel.dp=N``) every
-rank trains its share and rank 0 prints. Exit status 0 when every step ran and the loss stayed
-finite, 1 otherwise (the message says which step went wrong), 2 for a bad recipe or one that
-does not fit the launch (the message says why).
+``RECIPE`` is a YAML file or the name of a built-in recipe (``tiny``). A recipe that needs N
+ranks, run outside torchrun, starts its N local workers itself through PyTorch's elastic
+launcher (gloo on CPU, NCCL on GPUs); under ``torchrun`` or Slurm (``WORLD_SIZE`` set) it just
+runs. ``--nproc N`` sets the number of workers, the data-parallel degree following from it.
+
+Outputs go to the run folder ``train.output_dir`` (default ``runs/<recipe>-<time>``):
+``recipe.yaml``, ``metrics.jsonl``, TensorBoard events, ``loss.png``, per-rank logs, and the
+checkpoints / export when the recipe asks for them. Rank 0 prints one line per step (a
+progress bar on a terminal) and every message; the other ranks print nothing.
+
+Exit status: 0 every step ran with a finite loss; 1 a non-finite loss (the message names the
+step); 2 a bad recipe or one that does not fit the launch or the model (the message says why);
+4 an unexpected internal error (with its traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
+import time
+import traceback
+import uuid
 
-from qwen35_trainer.recipe import load_recipe
+from qwen35_trainer.recipe import builtin_recipes, load_recipe, recipe_path
 from qwen35_trainer.train import StepLog, train
 
-__all__ = ["main"]
+__all__ = ["EXIT_BAD_RECIPE", "EXIT_INTERNAL", "EXIT_NON_FINITE", "main"]
+
+EXIT_NON_FINITE, EXIT_BAD_RECIPE, EXIT_INTERNAL = 1, 2, 4
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qwen35-train", description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", help="path of a YAML recipe, e.g. recipes/tiny.yaml")
+    parser = argparse.ArgumentParser(
+        prog="qwen35-train",
+        description=__doc__.split("\n\n")[0],
+        epilog="Outputs: runs/<recipe>-<time>/ (recipe.yaml, metrics.jsonl, tensorboard/, "
+        "loss.png, logs/). Built-in recipes: " + ", ".join(builtin_recipes()),
+    )
+    parser.add_argument("recipe", help="a YAML recipe file, or a built-in recipe's name")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -30,44 +50,119 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECTION.KEY=VALUE",
         help="override one recipe value (repeatable), e.g. --set train.steps=5",
     )
+    parser.add_argument(
+        "--nproc", type=int, help="local workers to start (default: what the recipe needs)"
+    )
     return parser
 
 
-def _line(log: StepLog, steps: int) -> str:
+def _eta(log: StepLog, steps: int, began: float, first: int) -> str:
+    done = log.step - first + 1
+    left = (time.perf_counter() - began) / done * (steps - log.step)
+    return f"{int(left // 60)}:{int(left % 60):02d}"
+
+
+def _line(log: StepLog, steps: int, eta: str) -> str:
+    rate = log.tokens / log.seconds if log.seconds > 0 else float("nan")
     return (
         f"step {log.step:>{len(str(steps))}}/{steps}  loss {log.loss:.4f}  ce {log.ce:.4f}  "
-        f"aux {log.aux:.4f}  grad_norm {log.grad_norm:.3f}  tokens {log.tokens}  "
-        f"{log.seconds * 1000:.0f} ms"
+        f"aux {log.aux:.4f}  grad_norm {log.grad_norm:.3f}  lr {log.lr:.3g}  "
+        f"tokens {log.tokens}  {rate:.0f} tok/s  {log.seconds * 1000:.0f} ms  eta {eta}"
     )
 
 
+def _output_dir(recipe_arg: str) -> str:
+    """``runs/<recipe>-<time>``; under a launcher the run id, the same on every rank."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    stamp = run_id if run_id and run_id != "none" else time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{recipe_path(recipe_arg).stem}-{stamp}")
+
+
+def _world(parallel) -> int:
+    return parallel.dp_replicate * parallel.dp * parallel.cp * parallel.tp
+
+
+def _launch(argv: list[str], nproc: int) -> int:
+    """Start ``nproc`` local workers running this command (they see ``WORLD_SIZE``)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)  # fmt: skip
+    try:
+        elastic_launch(config, sys.executable)("-m", "qwen35_trainer.cli", *argv)
+    except ChildFailedError as failed:
+        return failed.failures[min(failed.failures)].exitcode
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
+    printing = os.environ.get("RANK", "0") == "0"
+
+    def say(message: str) -> None:
+        if printing:
+            print(f"qwen35-train: {message}", file=sys.stderr, flush=True)
+
     try:
         recipe = load_recipe(args.recipe, args.overrides)
+        extra = []
+        if args.nproc is not None:
+            p = recipe.parallel
+            per_dp = p.dp_replicate * p.cp * p.tp
+            if args.nproc < 1 or args.nproc % per_dp:
+                raise ValueError(
+                    f"--nproc {args.nproc} is not a multiple of parallel.dp_replicate x cp x tp "
+                    f"= {per_dp}, so no data-parallel degree fits it"
+                )
+            extra.append(f"parallel.dp={args.nproc // per_dp}")
+        if recipe.train.output_dir is None:
+            extra.append(f"train.output_dir={_output_dir(args.recipe)}")
+        recipe = load_recipe(args.recipe, [*args.overrides, *extra])
     except (OSError, ValueError) as err:
-        print(f"qwen35-train: bad recipe: {err}", file=sys.stderr)
-        return 2
-    printing = os.environ.get("RANK", "0") == "0"
-    steps = recipe.train.steps
+        say(f"bad recipe: {err}")
+        return EXIT_BAD_RECIPE
+    if "WORLD_SIZE" not in os.environ and _world(recipe.parallel) > 1:
+        sets = [a for item in [*args.overrides, *extra] for a in ("--set", item)]
+        return _launch([args.recipe, *sets], _world(recipe.parallel))
+    if printing:
+        logging.basicConfig(level=logging.INFO, format="qwen35-train: %(message)s")
+    steps, began, first = recipe.train.steps, time.perf_counter(), [None]
+    bar = None
+    if printing and sys.stdout.isatty():  # a terminal: one progress bar instead of lines
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, unit="step", dynamic_ncols=True)
 
     def report(log: StepLog) -> None:
         if not math.isfinite(log.loss):
             raise FloatingPointError(f"step {log.step}: loss is {log.loss}")
-        if printing and (log.step % recipe.train.log_every == 0 or log.step == steps):
-            print(_line(log, steps), flush=True)
+        first[0] = first[0] or log.step
+        if bar is not None:
+            bar.n = log.step
+            rate = log.tokens / log.seconds if log.seconds > 0 else 0.0
+            bar.set_postfix(loss=f"{log.loss:.4f}", lr=f"{log.lr:.2g}", tok_s=f"{rate:.0f}")
+        elif printing and (log.step % recipe.train.log_every == 0 or log.step == steps):
+            print(_line(log, steps, _eta(log, steps, began, first[0])), flush=True)
 
     try:
         logs = train(recipe, on_step=report).logs
+        if bar is not None:
+            bar.close()
     except FloatingPointError as err:
-        print(f"qwen35-train: {err}", file=sys.stderr)
-        return 1
+        say(str(err))
+        return EXIT_NON_FINITE
     except ValueError as err:  # a recipe that does not fit the launch or the model
-        print(f"qwen35-train: {err}", file=sys.stderr)
-        return 2
+        say(str(err))
+        return EXIT_BAD_RECIPE
+    except Exception:
+        say("internal error (please report it):\n" + traceback.format_exc())
+        return EXIT_INTERNAL
     if printing and logs:
         print(f"done: steps {logs[0].step}..{logs[-1].step} of {steps}, "
-              f"loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}")  # fmt: skip
+              f"loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}; run folder "
+              f"{recipe.train.output_dir}")  # fmt: skip
     elif printing:
         print(f"done: nothing to run, the newest checkpoint already has {steps} steps")
     return 0

@@ -12,6 +12,7 @@ expert parallelism, zero grads for idle experts and per-step router statistics.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 from moe_parallel import MoE, swap_moe_blocks
 from qwen35_trainer.recipe import ModelRecipe
 
-__all__ = ["build_config", "build_model", "moe_blocks", "swap_moe_blocks"]
+__all__ = ["build_config", "build_model", "check_shapes", "moe_blocks", "swap_moe_blocks"]
 
 
 def _checked(name: str, config_cls: type, values: dict[str, Any]) -> dict[str, Any]:
@@ -39,21 +40,64 @@ def build_config(spec: ModelRecipe) -> Any:
         Qwen3_5MoeVisionConfig,
     )
 
-    config = Qwen3_5MoeConfig(
-        text_config=_checked("text", Qwen3_5MoeTextConfig, spec.text),
-        vision_config=_checked("vision", Qwen3_5MoeVisionConfig, spec.vision),
-        image_token_id=spec.image_token_id,
-        video_token_id=spec.video_token_id,
-        vision_start_token_id=spec.vision_start_token_id,
-        vision_end_token_id=spec.vision_end_token_id,
-    )
+    text = _checked("text", Qwen3_5MoeTextConfig, spec.text)
+    vision = _checked("vision", Qwen3_5MoeVisionConfig, spec.vision)
+    try:
+        config = Qwen3_5MoeConfig(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=spec.image_token_id,
+            video_token_id=spec.video_token_id,
+            vision_start_token_id=spec.vision_start_token_id,
+            vision_end_token_id=spec.vision_end_token_id,
+        )
+    except Exception as err:  # transformers' own validators (their error types vary)
+        reason = " ".join(str(err).split())
+        raise ValueError(
+            f"model.text / model.vision: transformers refuses the config: {reason}"
+        ) from err
     vocab = config.text_config.vocab_size
     ids = {k: getattr(spec, k) for k in ("image_token_id", "video_token_id",
                                          "vision_start_token_id", "vision_end_token_id")}  # fmt: skip
     outside = {k: v for k, v in ids.items() if not 0 <= v < vocab}
     if outside:
         raise ValueError(f"model token ids {outside} lie outside the vocabulary [0, {vocab})")
+    check_shapes(config)
+    if spec.weights is not None and not (Path(spec.weights) / "config.json").is_file():
+        raise ValueError(
+            f"model.weights: {spec.weights!r} is not a transformers checkpoint directory (no "
+            "config.json there)"
+        )
     return config
+
+
+def check_shapes(config: Any) -> None:
+    """``ValueError`` listing every inconsistency of the text and vision configs that would
+    otherwise surface as a shape error deep inside the first forward."""
+    text, vision = config.text_config, config.vision_config
+    rules = {
+        "model.vision.out_hidden_size equals model.text.hidden_size (vision features are "
+        "placed into the text embeddings)": vision.out_hidden_size == text.hidden_size,
+        "model.text.num_key_value_heads divides num_attention_heads":
+            text.num_attention_heads % text.num_key_value_heads == 0,
+        "model.text.linear_num_key_heads divides linear_num_value_heads":
+            text.linear_num_value_heads % text.linear_num_key_heads == 0,
+        "model.text.layer_types has num_hidden_layers entries":
+            len(text.layer_types) == text.num_hidden_layers,
+        "model.text.num_experts_per_tok <= num_experts":
+            text.num_experts_per_tok <= text.num_experts,
+        "model.vision.num_heads divides hidden_size": vision.hidden_size % vision.num_heads == 0,
+    }  # fmt: skip
+    failed = [rule for rule, ok in rules.items() if not ok]
+    if failed:
+        got = (f"text hidden {text.hidden_size}, heads {text.num_attention_heads}/"
+               f"{text.num_key_value_heads}, linear heads {text.linear_num_key_heads}/"
+               f"{text.linear_num_value_heads}, layers {text.num_hidden_layers} with "
+               f"{len(text.layer_types)} layer_types, experts {text.num_experts} top "
+               f"{text.num_experts_per_tok}; vision hidden {vision.hidden_size}, heads "
+               f"{vision.num_heads}, out {vision.out_hidden_size}")  # fmt: skip
+        raise ValueError("model shapes do not fit together: expected " + "; ".join(failed)
+                         + f" (got {got})")  # fmt: skip
 
 
 def moe_blocks(model: nn.Module) -> list[MoE]:

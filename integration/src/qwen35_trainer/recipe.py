@@ -14,6 +14,7 @@ Nothing is dropped silently: an unknown section or key, a value of the wrong typ
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -28,6 +29,7 @@ __all__ = [
     "ParallelRecipe",
     "Recipe",
     "TrainRecipe",
+    "builtin_recipes",
     "load_recipe",
     "recipe_from_dict",
 ]
@@ -66,14 +68,29 @@ class DataRecipe:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.text_only is not None and not 0 <= self.text_only[1] <= self.text_only[0]:
-            raise ValueError(
-                f"data.text_only must be [period, count] with 0 <= count <= period, got "
-                f"{list(self.text_only)}"
-            )
+        lo, hi = self.text_tokens
+        _refuse("data", {
+            "samples_per_rank": (self.samples_per_rank >= 1, ">= 1"),
+            "text_tokens": (1 <= lo <= hi, "[lo, hi] with 1 <= lo <= hi"),
+            "images_per_sample": (self.images_per_sample >= 0, ">= 0"),
+            "image_grids": (bool(self.image_grids) and all(min(g) >= 1 for g in self.image_grids),
+                            "a non-empty list of [t, h, w] with every entry >= 1"),
+            "text_only": (self.text_only is None or (0 <= self.text_only[1] <= self.text_only[0]
+                          and self.text_only[0] >= 1),
+                          "[period, count] with 0 <= count <= period, or null"),
+        }, self)  # fmt: skip
 
 
 DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def _refuse(section: str, rules: dict[str, tuple[bool, str]], values: Any) -> None:
+    """One ``ValueError`` naming every field of ``section`` whose rule fails."""
+    bad = [f"{section}.{name} must be {what}, got {getattr(values, name)!r}"
+           for name, (ok, what) in rules.items() if not ok]  # fmt: skip
+    if bad:
+        raise ValueError("; ".join(bad))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +105,11 @@ class TrainRecipe:
     ``float32``, or ``bfloat16`` parameters and compute with fp32 master weights and fp32
     gradient reduction (FSDP2 mixed precision; loss, router and Gated DeltaNet statistics stay
     fp32). ``grad_accum_steps``: micro-batches per optimizer step (each rank's samples split
-    evenly), normalised by the step's global valid-label count."""
+    evenly), normalised by the step's global valid-label count. ``schedule``: ``constant``,
+    ``linear`` or ``cosine`` decay of the learning rate from ``lr`` after ``warmup_steps``
+    linear warmup steps down to ``lr_floor * lr`` (:mod:`qwen35_trainer.schedule`).
+    ``output_dir``: the run folder (resolved recipe, ``metrics.jsonl``, TensorBoard events,
+    ``loss.png``, per-rank logs; :mod:`qwen35_trainer.run_folder`); ``None`` writes none."""
 
     steps: int = 10
     optimizer: str = "adamw"
@@ -107,17 +128,36 @@ class TrainRecipe:
     log_every: int = 1
     dtype: str = "float32"
     grad_accum_steps: int = 1
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    lr_floor: float = 0.0
+    output_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(
-                f"train.grad_clip must be > 0, or null to measure the norm without clipping; got "
-                f"{self.grad_clip} (0 would zero every gradient, a negative value reverse them)"
-            )
-        if self.grad_accum_steps < 1:
-            raise ValueError(f"train.grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+        b1, b2 = self.betas
+        _refuse("train", {
+            "steps": (self.steps >= 1, ">= 1"),
+            "lr": (self.lr >= 0, ">= 0"),
+            "weight_decay": (self.weight_decay >= 0, ">= 0"),
+            "betas": (0 <= b1 < 1 and 0 <= b2 < 1, "two values in [0, 1)"),
+            "eps": (self.eps > 0, "> 0"),
+            "grad_clip": (self.grad_clip is None or self.grad_clip > 0,
+                          "> 0, or null to measure the norm without clipping (0 would zero every "
+                          "gradient, a negative value reverse them)"),
+            "loss_chunk_size": (self.loss_chunk_size is None or self.loss_chunk_size >= 1,
+                                ">= 1 or null"),
+            "router_aux_loss_coef": (self.router_aux_loss_coef is None
+                                     or self.router_aux_loss_coef >= 0, ">= 0 or null"),
+            "log_every": (self.log_every >= 1, ">= 1"),
+            "dtype": (self.dtype in DTYPES, f"one of {DTYPES}"),
+            "grad_accum_steps": (self.grad_accum_steps >= 1, ">= 1"),
+            "schedule": (self.schedule in SCHEDULES, f"one of {SCHEDULES}"),
+            "warmup_steps": (0 <= self.warmup_steps <= self.steps, "in [0, train.steps]"),
+            "lr_floor": (0 <= self.lr_floor <= 1, "in [0, 1] (a fraction of train.lr)"),
+            "checkpoint_every": (self.checkpoint_every == 0 or (self.checkpoint_every > 0 and bool(
+                self.checkpoint_dir or self.output_dir)), ">= 0, and 0 when neither "
+                "train.checkpoint_dir nor train.output_dir says where checkpoints go"),
+        }, self)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +187,7 @@ class Recipe:
     parallel: ParallelRecipe = ParallelRecipe()
 
 
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
 
 
@@ -217,6 +258,8 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
         return dict(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
     if hint in (bool, int, float, str) and (type(value) is not hint):
         raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
     return value
@@ -248,9 +291,33 @@ def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
     return Recipe(**{name: _section(name, hints[name], data[name]) for name in data})
 
 
+BUILTIN_RECIPES = Path(__file__).parent / "recipes"
+
+
+def builtin_recipes() -> list[str]:
+    """Names of the recipes shipped with the package (``qwen35-train NAME``)."""
+    return sorted(p.stem for p in BUILTIN_RECIPES.glob("*.yaml"))
+
+
+def recipe_path(name_or_path: str | Path) -> Path:
+    """A recipe file: ``name_or_path`` itself when it exists, else the built-in recipe of that
+    name; ``ValueError`` naming both possibilities otherwise."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    builtin = BUILTIN_RECIPES / f"{name_or_path}.yaml"
+    if path.suffix == "" and builtin.is_file():
+        return builtin
+    raise ValueError(
+        f"no recipe file {str(path)!r} and no built-in recipe of that name (built-in: "
+        f"{', '.join(builtin_recipes())})"
+    )
+
+
 def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
-    """Read a YAML recipe (following ``base``), apply ``section.key=value`` overrides."""
-    data = _read(Path(path))
+    """Read a YAML recipe (a path, or a built-in recipe's name; following ``base``), apply
+    ``section.key=value`` overrides."""
+    data = _read(recipe_path(path))
     for item in overrides:
         data = _override(data, item)
     return recipe_from_dict(data)

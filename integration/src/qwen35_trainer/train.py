@@ -18,12 +18,17 @@ process group made here (and destroyed at the end), so one process and every lay
 alike.
 
 The logged loss is the sum of the shares over the loss group (one all-reduce), i.e. the global
-batch's loss, identical on every rank.
+batch's loss, identical on every rank. The loop is made of units a test or a user can drive:
+the step (:func:`qwen35_trainer.step.train_step`), the schedule
+(:func:`qwen35_trainer.schedule.lr_at`, re-applied every step, so a resumed run follows the
+recipe it is started with), the run folder (:mod:`qwen35_trainer.run_folder`) and the
+checkpoints (:mod:`qwen35_trainer.checkpoint`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -31,23 +36,29 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fsdp_compat import clip_grad_norm
 from qwen35_trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from qwen35_trainer.data import IGNORE_INDEX, collate, rank_samples
 from qwen35_trainer.hf import export_hf
 from qwen35_trainer.model import build_model
 from qwen35_trainer.objective import TrainingObjective
-from qwen35_trainer.packing import PackedInputs, enable_packing, pack, row_layout
-from qwen35_trainer.parallel import Layout, check_layout, parallelize
+from qwen35_trainer.packing import enable_packing
+from qwen35_trainer.parallel import check_layout, parallelize
 from qwen35_trainer.recipe import Recipe
+from qwen35_trainer.run_folder import RunFolder
+from qwen35_trainer.schedule import lr_at, set_lr
+from qwen35_trainer.step import micro_batches, peak_memory_mib, timed, train_step
 from safe_optim import build_optimizer
 
 __all__ = ["StepLog", "TrainResult", "train"]
 
+logger = logging.getLogger("qwen35_trainer")
+
 
 @dataclasses.dataclass(frozen=True)
 class StepLog:
-    """What one optimizer step did (global numbers, equal on every rank)."""
+    """What one optimizer step did (global numbers, equal on every rank). ``seconds``: the
+    step's wall time, ``data_seconds`` of it spent building its batches; ``peak_memory_mib``:
+    this rank's peak so far (CUDA allocator, or RSS on CPU); the expert load is over every
+    layer's routed assignments of the step's row tokens (padding included)."""
 
     step: int
     loss: float
@@ -56,6 +67,19 @@ class StepLog:
     grad_norm: float
     tokens: int
     seconds: float
+    lr: float = 0.0
+    data_seconds: float = 0.0
+    peak_memory_mib: float = 0.0
+    expert_load_max_over_mean: float = 1.0
+    experts_idle: int = 0
+    cp_imbalance: float = 1.0
+
+    def metrics(self) -> dict:
+        """The ``metrics.jsonl`` record (:data:`qwen35_trainer.run_folder.METRIC_FIELDS`)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["step_seconds"] = out.pop("seconds")
+        out["tokens_per_s"] = self.tokens / self.seconds if self.seconds > 0 else None
+        return out
 
 
 @dataclasses.dataclass
@@ -122,91 +146,60 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
         param_dtype=torch.bfloat16 if bf16 else None,
         force_fsdp=bf16,
     )
-    optimizer = build_optimizer(
-        objective.parameters(),
-        recipe.train.optimizer,
-        lr=recipe.train.lr,
-        betas=recipe.train.betas,
-        eps=recipe.train.eps,
-        weight_decay=recipe.train.weight_decay,
-    )
-    start = _resume(recipe, objective, optimizer, device)
-    coef = recipe.train.router_aux_loss_coef
+    spec = recipe.train
+    optimizer = build_optimizer(objective.parameters(), spec.optimizer, lr=spec.lr,
+                                betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)  # fmt: skip
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    folder = RunFolder(spec.output_dir, recipe, rank) if spec.output_dir else None
+    checkpoints = spec.checkpoint_dir
+    if checkpoints is None and spec.output_dir and spec.checkpoint_every:
+        checkpoints = os.path.join(spec.output_dir, "checkpoints")
+    start = _resume(checkpoints, objective, optimizer, device)
+    if start:
+        message = f"resumed from step {start} of {checkpoints}"
+        logger.info(message)
+        if folder is not None:
+            folder.note(message)
+    coef = spec.router_aux_loss_coef
     coef = model.config.text_config.router_aux_loss_coef if coef is None else coef
     logs = []
-    for step in range(start, recipe.train.steps):
-        began = time.perf_counter()
-        micro = _micro_batches(recipe, model, layout, step, device)
-        num_valid = _count_valid(micro, layout, device)
-        ce = aux = torch.zeros((), device=device)
-        for batch, packed in micro:
-            shares = objective(batch, layout.loss_group, packed, num_valid_tokens=num_valid)
-            micro_aux = shares.aux / len(micro)
-            (shares.ce + coef * micro_aux).backward()
-            ce, aux = ce + shares.ce.detach(), aux + micro_aux.detach()
-        grad_norm = clip_grad_norm(objective.parameters(), recipe.train.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        totals = torch.stack([ce, aux]).float()
-        if layout.loss_group is not None:
-            dist.all_reduce(totals, group=layout.loss_group)
-        ce_total, aux_total = totals.tolist()
-        log = StepLog(step + 1, ce_total + coef * aux_total, ce_total, aux_total, grad_norm,
-                      num_valid, time.perf_counter() - began)  # fmt: skip
-        logs.append(log)
-        if on_step is not None:
-            on_step(log)
-        every = recipe.train.checkpoint_every
-        if recipe.train.checkpoint_dir and (
-            step + 1 == recipe.train.steps or (every and (step + 1) % every == 0)
-        ):
-            save_checkpoint(recipe.train.checkpoint_dir, step + 1, objective, optimizer)
-    if recipe.train.export_dir:
-        export_hf(objective.model, recipe.train.export_dir)
+    try:
+        for step in range(start, spec.steps):
+            began = time.perf_counter()
+            lr = lr_at(step, spec)
+            set_lr(optimizer, lr)
+            micro, data_seconds = timed(micro_batches, recipe, model, layout, step, device)
+            result = train_step(objective, optimizer, micro, layout, aux_coef=coef,
+                                grad_clip=spec.grad_clip, device=device)  # fmt: skip
+            log = StepLog(
+                step + 1, result.ce + coef * result.aux, result.ce, result.aux,
+                result.grad_norm, result.tokens, time.perf_counter() - began, lr=lr,
+                data_seconds=data_seconds, peak_memory_mib=peak_memory_mib(device),
+                expert_load_max_over_mean=result.expert_load_max_over_mean,
+                experts_idle=result.experts_idle, cp_imbalance=result.cp_imbalance,
+            )  # fmt: skip
+            logs.append(log)
+            if folder is not None:
+                folder.record(log.metrics())
+            if on_step is not None:
+                on_step(log)
+            every = spec.checkpoint_every
+            if checkpoints and (step + 1 == spec.steps or (every and (step + 1) % every == 0)):
+                save_checkpoint(checkpoints, step + 1, objective, optimizer)
+    finally:
+        if folder is not None:
+            folder.close()
+    if spec.export_dir:
+        export_hf(objective.model, spec.export_dir)
     return TrainResult(logs, objective)
 
 
-def _micro_batches(recipe: Recipe, model, layout: Layout, step: int, device: torch.device):
-    """This rank's ``(batch, packed inputs or None)`` per micro-batch of step ``step``."""
-    samples = rank_samples(recipe.model, recipe.data, step, layout.data_index, layout.data_size)
-    n = recipe.train.grad_accum_steps
-    if len(samples) % n:
-        raise ValueError(
-            f"data.samples_per_rank={len(samples)} must be a multiple of "
-            f"train.grad_accum_steps={n} (each micro-batch takes the same number of samples)"
-        )
-    pad = model.config.text_config.pad_token_id
-    size = len(samples) // n
-    out = []
-    for first in range(0, len(samples), size):
-        part = samples[first : first + size]
-        if recipe.data.packing:
-            row = pack(part, recipe.model, model.model.get_rope_index, pad)
-            packed = PackedInputs(row.position_ids.to(device), row_layout(row, layout.cp),
-                                  layout.cp_group)  # fmt: skip
-            out.append((row.batch.to(device), packed))
-        else:
-            out.append((collate(part, recipe.model, pad).to(device), None))
-    return out
-
-
-def _count_valid(micro, layout: Layout, device: torch.device) -> int:
-    """The step's valid next-token labels over every micro-batch and every data group. CP
-    ranks share their rows, so each counts its whole rows and the sum is divided by ``cp``."""
-    local = sum(int((batch.labels[:, 1:] != IGNORE_INDEX).sum()) for batch, _ in micro)
-    if layout.loss_group is None:
-        return local
-    total = torch.tensor([local], device=device)
-    dist.all_reduce(total, group=layout.loss_group)
-    return int(total) // layout.cp
-
-
-def _resume(recipe: Recipe, objective, optimizer, device: torch.device) -> int:
-    """Steps already done: 0, or those of the newest checkpoint (the same on every rank).
-    ``device``: where the default group's collectives run (CUDA under NCCL)."""
-    if not recipe.train.checkpoint_dir:
+def _resume(checkpoints: str | None, objective, optimizer, device: torch.device) -> int:
+    """Steps already done: 0, or those of the newest checkpoint under ``checkpoints`` (the same
+    on every rank). ``device``: where the default group's collectives run (CUDA under NCCL)."""
+    if not checkpoints:
         return 0
-    found = latest_checkpoint(recipe.train.checkpoint_dir)
+    found = latest_checkpoint(checkpoints)
     step = -1 if found is None else found[1]
     if dist.is_initialized():
         seen = torch.tensor([step, -step], device=device)
@@ -214,7 +207,7 @@ def _resume(recipe: Recipe, objective, optimizer, device: torch.device) -> int:
         seen = seen.cpu()
         if seen[0] != -seen[1]:
             raise ValueError(
-                f"ranks see different newest checkpoints under {recipe.train.checkpoint_dir} "
+                f"ranks see different newest checkpoints under {checkpoints} "
                 f"(steps {int(-seen[1])}..{int(seen[0])}, -1 = none): it must be one shared "
                 "directory"
             )

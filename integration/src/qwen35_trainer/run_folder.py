@@ -1,0 +1,108 @@
+"""The run folder: what a run leaves behind for people to watch and compare.
+
+``train.output_dir`` holds ``recipe.yaml`` (the resolved recipe: every default filled in, so the
+run can be repeated from it alone), ``metrics.jsonl`` (one JSON object per optimizer step),
+TensorBoard event files under ``tensorboard/`` (``torch.utils.tensorboard``), ``loss.png``
+(the loss curve, matplotlib; rewritten at the end of the run) and ``logs/rank<R>.log`` (every
+rank's step lines, so a failing rank's history is there). Rank 0 writes everything but its
+peers' logs; a metric that is not measured on this machine (CUDA memory on CPU) is ``null``,
+never a made-up number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["METRIC_FIELDS", "RunFolder", "resolved_recipe"]
+
+# Every metrics.jsonl record has exactly these keys.
+METRIC_FIELDS = (
+    "step", "loss", "ce", "aux", "grad_norm", "lr", "tokens", "tokens_per_s", "step_seconds",
+    "data_seconds", "peak_memory_mib", "expert_load_max_over_mean", "experts_idle",
+    "cp_imbalance",
+)  # fmt: skip
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def resolved_recipe(recipe: Any) -> str:
+    """The recipe as YAML with every default filled in (loads back to the same recipe)."""
+    return yaml.safe_dump(_plain(dataclasses.asdict(recipe)), sort_keys=False)
+
+
+class RunFolder:
+    """Writes one run's folder; ``rank``: this process's global rank (0 writes the shared
+    files)."""
+
+    def __init__(self, path: str | Path, recipe: Any, rank: int = 0) -> None:
+        self.path, self.rank = Path(path), rank
+        (self.path / "logs").mkdir(parents=True, exist_ok=True)
+        self.log = open(self.path / "logs" / f"rank{rank}.log", "a")  # noqa: SIM115
+        self.records: list[dict[str, Any]] = []
+        self.metrics = self.board = None
+        if rank == 0:
+            (self.path / "recipe.yaml").write_text(resolved_recipe(recipe))
+            self.metrics = open(self.path / "metrics.jsonl", "a")  # noqa: SIM115
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(str(self.path / "tensorboard"))
+
+    def note(self, message: str) -> None:
+        """A line in this rank's log (e.g. "resumed from step 6")."""
+        self.log.write(message + "\n")
+        self.log.flush()
+
+    def record(self, metrics: dict[str, Any]) -> None:
+        """One optimizer step's metrics (keys :data:`METRIC_FIELDS`)."""
+        missing = set(METRIC_FIELDS) ^ set(metrics)
+        if missing:
+            raise ValueError(f"metrics record keys differ from METRIC_FIELDS: {sorted(missing)}")
+        self.note(json.dumps(metrics))
+        if self.rank != 0:
+            return
+        self.records.append(metrics)
+        self.metrics.write(json.dumps(metrics) + "\n")
+        self.metrics.flush()
+        for key, value in metrics.items():
+            if key != "step" and value is not None:
+                self.board.add_scalar(f"train/{key}", value, metrics["step"])
+
+    def close(self) -> None:
+        """Flush everything and draw ``loss.png`` (rank 0)."""
+        self.log.close()
+        if self.rank != 0:
+            return
+        self.metrics.close()
+        self.board.close()
+        if self.records:
+            plot_loss(self.records, self.path / "loss.png")
+
+
+def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
+    """The loss and cross-entropy per step, saved as a PNG (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["loss"] for r in records], label="loss (train)")
+    ax.plot(steps, [r["ce"] for r in records], label="cross-entropy (train)", alpha=0.7)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,37 @@
+"""The learning-rate schedule: linear warmup, then constant, linear or cosine decay to a floor.
+
+``lr_at(step)`` is a pure function of the 0-based optimizer step and the recipe, so a resumed
+run recomputes the value of the step it resumes at (a changed ``lr``, schedule or ``steps`` in
+the recipe takes effect on resume, rather than the checkpoint's stored learning rate):
+
+- warmup (``step < warmup_steps``): ``lr * (step + 1) / warmup_steps``;
+- then with ``p = (step - warmup_steps) / (steps - warmup_steps)`` in [0, 1) and
+  ``floor = lr_floor * lr``: constant ``lr``; linear ``floor + (lr - floor) * (1 - p)``; cosine
+  ``floor + (lr - floor) * (1 + cos(pi p)) / 2``.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["lr_at", "set_lr"]
+
+
+def lr_at(step: int, spec) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) for a ``train`` recipe section."""
+    lr, warmup = spec.lr, spec.warmup_steps
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if spec.schedule == "constant":
+        return lr
+    p = (step - warmup) / max(1, spec.steps - warmup)
+    floor = spec.lr_floor * lr
+    if spec.schedule == "linear":
+        return floor + (lr - floor) * (1 - p)
+    return floor + (lr - floor) * (1 + math.cos(math.pi * p)) / 2
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """Set every parameter group's learning rate."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,120 @@
+"""One optimizer step as a unit a test or a user can drive: the step's micro-batches, the global
+valid-label count, forward + backward of every micro-batch, clipping and the optimizer update,
+and the step's measurements.
+
+Why the step is the one-process step on the global batch: see :mod:`qwen35_trainer.train`
+(shares of one global loss, SUM reductions). The counts here are all global: the valid labels
+over every micro-batch and every rank holding different tokens (CP ranks share their rows, so
+each counts its whole rows and the sum is divided by ``cp``), the expert loads summed over the
+same ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_compat import clip_grad_norm
+from qwen35_trainer.data import IGNORE_INDEX, collate, rank_samples
+from qwen35_trainer.packing import PackedInputs, pack, row_layout
+from qwen35_trainer.parallel import Layout
+
+__all__ = ["StepResult", "micro_batches", "peak_memory_mib", "train_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """Global numbers of one optimizer step (equal on every rank)."""
+
+    ce: float
+    aux: float
+    grad_norm: float
+    tokens: int
+    expert_load_max_over_mean: float
+    experts_idle: int
+    cp_imbalance: float
+
+
+def micro_batches(recipe: Any, model, layout: Layout, step: int, device: torch.device):
+    """This rank's ``(batch, packed inputs or None)`` per micro-batch of step ``step``."""
+    samples = rank_samples(recipe.model, recipe.data, step, layout.data_index, layout.data_size)
+    n = recipe.train.grad_accum_steps
+    if len(samples) % n:
+        raise ValueError(
+            f"data.samples_per_rank={len(samples)} must be a multiple of "
+            f"train.grad_accum_steps={n} (each micro-batch takes the same number of samples)"
+        )
+    pad = model.config.text_config.pad_token_id
+    size = len(samples) // n
+    out = []
+    for first in range(0, len(samples), size):
+        part = samples[first : first + size]
+        if recipe.data.packing:
+            row = pack(part, recipe.model, model.model.get_rope_index, pad)
+            packed = PackedInputs(row.position_ids.to(device), row_layout(row, layout.cp),
+                                  layout.cp_group)  # fmt: skip
+            out.append((row.batch.to(device), packed))
+        else:
+            out.append((collate(part, recipe.model, pad).to(device), None))
+    return out
+
+
+def _all_reduce(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    if layout.loss_group is not None:
+        dist.all_reduce(t, group=layout.loss_group)
+    return t
+
+
+def count_valid(micro, layout: Layout, device: torch.device) -> int:
+    """The step's valid next-token labels over every micro-batch and every data group."""
+    local = sum(int((batch.labels[:, 1:] != IGNORE_INDEX).sum()) for batch, _ in micro)
+    return int(_all_reduce(torch.tensor([local], device=device), layout)) // layout.cp
+
+
+def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
+               grad_clip: float | None, device: torch.device) -> StepResult:  # fmt: skip
+    """Forward and backward of every micro-batch, clip, optimizer step, zero the gradients."""
+    num_valid = count_valid(micro, layout, device)
+    ce = aux = torch.zeros((), device=device)
+    load = None
+    for batch, packed in micro:
+        shares = objective(batch, layout.loss_group, packed, num_valid_tokens=num_valid)
+        micro_aux = shares.aux / len(micro)
+        (shares.ce + aux_coef * micro_aux).backward()
+        ce, aux = ce + shares.ce.detach(), aux + micro_aux.detach()
+        counts = torch.stack([b.stats.tokens_per_expert for b in objective.router.blocks])
+        load = counts if load is None else load + counts
+    grad_norm = clip_grad_norm(objective.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    totals = _all_reduce(torch.stack([ce, aux]).float(), layout)
+    load = _all_reduce(load, layout).float()  # [layers, experts] tokens routed
+    mean = load.mean(dim=1).clamp(min=1e-9)
+    cp_imbalance = max(p.layout.compute_imbalance for _, p in micro) if micro[0][1] else 1.0
+    return StepResult(
+        ce=float(totals[0]),
+        aux=float(totals[1]),
+        grad_norm=grad_norm,
+        tokens=num_valid,
+        expert_load_max_over_mean=float((load.max(dim=1).values / mean).max()),
+        experts_idle=int((load == 0).sum()),
+        cp_imbalance=float(cp_imbalance),
+    )
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """The CUDA allocator's peak on GPU; this process's peak RSS on CPU (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed(fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), seconds)``."""
+    began = time.perf_counter()
+    return fn(*args, **kwargs), time.perf_counter() - began
