@@ -56,9 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _eta(log: StepLog, steps: int, began: float, first: int) -> str:
-    done = log.step - first + 1
-    left = (time.perf_counter() - began) / done * (steps - log.step)
+def _eta(log: StepLog, steps: int, first: tuple[int, float] | None) -> str:
+    """Remaining time at the pace since the first reported step (which includes the warmup of
+    the first step: compiles, allocations); "--" until there is a pace."""
+    if first is None or log.step == first[0]:
+        return "--"
+    left = (time.perf_counter() - first[1]) / (log.step - first[0]) * (steps - log.step)
     return f"{int(left // 60)}:{int(left % 60):02d}"
 
 
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return _launch([args.recipe, *sets], _world(recipe.parallel))
     if printing:
         logging.basicConfig(level=logging.INFO, format="qwen35-train: %(message)s")
-    steps, began, first = recipe.train.steps, time.perf_counter(), [None]
+    steps, first = recipe.train.steps, [None]
     bar = None
     if printing and sys.stdout.isatty():  # a terminal: one progress bar instead of lines
         from tqdm import tqdm
@@ -138,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     def report(log: StepLog) -> None:
         if not math.isfinite(log.loss):
             raise FloatingPointError(f"step {log.step}: loss is {log.loss}")
-        first[0] = first[0] or log.step
+        first[0] = first[0] or (log.step, time.perf_counter())
         if bar is not None:
             bar.n = log.step
             rate = log.tokens / log.seconds if log.seconds > 0 else 0.0
             bar.set_postfix(loss=f"{log.loss:.4f}", lr=f"{log.lr:.2g}", tok_s=f"{rate:.0f}")
         elif printing and (log.step % recipe.train.log_every == 0 or log.step == steps):
-            print(_line(log, steps, _eta(log, steps, began, first[0])), flush=True)
+            print(_line(log, steps, _eta(log, steps, first[0])), flush=True)
 
     try:
         logs = train(recipe, on_step=report).logs
