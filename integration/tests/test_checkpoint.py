@@ -34,3 +34,48 @@ def test_only_complete_checkpoints_count(tmp_path):
     (tmp_path / "step_000002" / ".metadata").write_bytes(b"")
     (tmp_path / "notes").mkdir()
     assert latest_checkpoint(tmp_path) == (tmp_path / "step_000002", 2)
+
+
+def test_a_crafted_metadata_pickle_is_refused_without_running_it(tmp_path):
+    import os
+    import pickle
+
+    import pytest
+
+    from qwen35_trainer.checkpoint import UnsafeCheckpointError, load_checkpoint
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    crafted = tmp_path / "step_000001"
+    crafted.mkdir()
+    (crafted / ".metadata").write_bytes(pickle.dumps(Payload()))
+    result = train(tiny("train.steps=1"))
+    with pytest.raises(UnsafeCheckpointError, match=r"asks for posix.system, which a DCP"):
+        load_checkpoint(crafted, result.objective, torch.optim.AdamW(result.objective.parameters()))
+    assert not marker.exists()
+
+
+def test_saves_are_atomic_and_keep_the_newest(tmp_path):
+    train(tiny("train.steps=4", "train.checkpoint_every=1", f"train.checkpoint_dir={tmp_path}",
+               "train.keep_checkpoints=2"))  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004"]
+    # a save that crashed after DCP wrote everything but before the rename does not count
+    (tmp_path / "step_000004").rename(tmp_path / "step_000009.partial")
+    assert latest_checkpoint(tmp_path) == (tmp_path / "step_000003", 3)
+
+
+def test_a_checkpoint_of_another_model_is_one_clear_error(tmp_path):
+    import pytest
+
+    train(tiny("train.steps=1", f"train.checkpoint_dir={tmp_path}"))
+    with pytest.raises(
+        ValueError,
+        match=r"cannot be loaded into this model and optimizer .*"
+        r"Size mismatch between saved torch.Size\(\[8, 32, 32\]\)",
+    ):
+        train(tiny("train.steps=2", f"train.checkpoint_dir={tmp_path}",
+                   "model.text.moe_intermediate_size=24"))  # fmt: skip

@@ -12,7 +12,8 @@ progress bar on a terminal) and every message; the other ranks print nothing.
 
 Exit status: 0 every step ran with a finite loss; 1 a non-finite loss (the message names the
 step); 2 a bad recipe or one that does not fit the launch or the model (the message says why);
-4 an unexpected internal error (with its traceback).
+4 an unexpected internal error (with its traceback); 5 stopped by SIGTERM / SIGUSR1 after
+finishing a step and saving a checkpoint (run the same command again to resume).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import time
 import traceback
 import uuid
 
+from qwen35_trainer.preemption import Preempted
 from qwen35_trainer.recipe import builtin_recipes, load_recipe, recipe_path
 from qwen35_trainer.train import StepLog, train
 
-__all__ = ["EXIT_BAD_RECIPE", "EXIT_INTERNAL", "EXIT_NON_FINITE", "main"]
+__all__ = ["EXIT_BAD_RECIPE", "EXIT_INTERNAL", "EXIT_NON_FINITE", "EXIT_PREEMPTED", "main"]
 
-EXIT_NON_FINITE, EXIT_BAD_RECIPE, EXIT_INTERNAL = 1, 2, 4
+EXIT_NON_FINITE, EXIT_BAD_RECIPE, EXIT_INTERNAL, EXIT_PREEMPTED = 1, 2, 4, 5
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nproc", type=int, help="local workers to start (default: what the recipe needs)"
     )
+
     return parser
 
 
@@ -94,8 +97,9 @@ def _launch(argv: list[str], nproc: int) -> int:
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)  # fmt: skip
     try:
         elastic_launch(config, sys.executable)("-m", "qwen35_trainer.cli", *argv)
-    except ChildFailedError as failed:
-        return failed.failures[min(failed.failures)].exitcode
+    except ChildFailedError as failed:  # the first worker to fail says why (others follow)
+        code = failed.get_first_failure()[1].exitcode
+        return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
     return 0
 
 
@@ -156,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as err:
         say(str(err))
         return EXIT_NON_FINITE
+    except Preempted as stopped:
+        say(f"{stopped}; run the same command again to resume")
+        return EXIT_PREEMPTED
     except ValueError as err:  # a recipe that does not fit the launch or the model
         say(str(err))
         return EXIT_BAD_RECIPE

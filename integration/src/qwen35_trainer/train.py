@@ -42,6 +42,7 @@ from qwen35_trainer.model import build_model
 from qwen35_trainer.objective import TrainingObjective
 from qwen35_trainer.packing import enable_packing
 from qwen35_trainer.parallel import check_layout, parallelize
+from qwen35_trainer.preemption import Preempted, StopFlag
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.run_folder import RunFolder
 from qwen35_trainer.schedule import lr_at, set_lr
@@ -163,35 +164,52 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
     coef = spec.router_aux_loss_coef
     coef = model.config.text_config.router_aux_loss_coef if coef is None else coef
     logs = []
+    stop = StopFlag()
     try:
-        for step in range(start, spec.steps):
-            began = time.perf_counter()
-            lr = lr_at(step, spec)
-            set_lr(optimizer, lr)
-            micro, data_seconds = timed(micro_batches, recipe, model, layout, step, device)
-            result = train_step(objective, optimizer, micro, layout, aux_coef=coef,
-                                grad_clip=spec.grad_clip, device=device)  # fmt: skip
-            log = StepLog(
-                step + 1, result.ce + coef * result.aux, result.ce, result.aux,
-                result.grad_norm, result.tokens, time.perf_counter() - began, lr=lr,
-                data_seconds=data_seconds, peak_memory_mib=peak_memory_mib(device),
-                expert_load_max_over_mean=result.expert_load_max_over_mean,
-                experts_idle=result.experts_idle, cp_imbalance=result.cp_imbalance,
-            )  # fmt: skip
-            logs.append(log)
-            if folder is not None:
-                folder.record(log.metrics())
-            if on_step is not None:
-                on_step(log)
-            every = spec.checkpoint_every
-            if checkpoints and (step + 1 == spec.steps or (every and (step + 1) % every == 0)):
-                save_checkpoint(checkpoints, step + 1, objective, optimizer)
+        with stop.installed():
+            _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef, device,
+                  on_step, logs, stop)  # fmt: skip
     finally:
         if folder is not None:
             folder.close()
     if spec.export_dir:
         export_hf(objective.model, spec.export_dir)
     return TrainResult(logs, objective)
+
+
+def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef, device,
+          on_step, logs, stop) -> None:  # fmt: skip
+    """Steps ``start`` .. ``train.steps``; checkpoints as the recipe asks; stops (saving) after
+    a step when any rank got a preemption signal."""
+    spec, model = recipe.train, objective.model
+    for step in range(start, spec.steps):
+        began = time.perf_counter()
+        lr = lr_at(step, spec)
+        set_lr(optimizer, lr)
+        micro, data_seconds = timed(micro_batches, recipe, model, layout, step, device)
+        result = train_step(objective, optimizer, micro, layout, aux_coef=coef,
+                            grad_clip=spec.grad_clip, device=device)  # fmt: skip
+        log = StepLog(
+            step + 1, result.ce + coef * result.aux, result.ce, result.aux,
+            result.grad_norm, result.tokens, time.perf_counter() - began, lr=lr,
+            data_seconds=data_seconds, peak_memory_mib=peak_memory_mib(device),
+            expert_load_max_over_mean=result.expert_load_max_over_mean,
+            experts_idle=result.experts_idle, cp_imbalance=result.cp_imbalance,
+        )  # fmt: skip
+        logs.append(log)
+        if folder is not None:
+            folder.record(log.metrics())
+        if on_step is not None:
+            on_step(log)
+        every = spec.checkpoint_every
+        stopping = stop.agreed(device)
+        due = step + 1 == spec.steps or (every and (step + 1) % every == 0)
+        if checkpoints and (due or stopping):
+            save_checkpoint(checkpoints, step + 1, objective, optimizer, keep=spec.keep_checkpoints)
+        if stopping:
+            where = f"{checkpoints}/step_{step + 1:06d}" if checkpoints else None
+            logger.info("stopping on a signal after step %d (saved: %s)", step + 1, where)
+            raise Preempted(step + 1, where)
 
 
 def _resume(checkpoints: str | None, objective, optimizer, device: torch.device) -> int:

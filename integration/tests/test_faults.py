@@ -1,0 +1,74 @@
+"""Preemption on real processes: SIGTERM to ONE of 2 workers stops both after the same step,
+with a checkpoint and exit code 5, and the same command resumes from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BASE = ["tiny", "--nproc", "2", "--set", "parallel.cp=1", "--set", "parallel.ep=1",
+        "--set", "data.samples_per_rank=2"]  # fmt: skip
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _start(out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "qwen35_trainer.cli", *BASE, "--set", f"train.output_dir={out}",
+           *extra]  # fmt: skip
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def _steps_done(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while _steps_done(out) < step:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run did not get that far"
+        time.sleep(0.2)
+
+
+def _worker(launcher: int, rank: int) -> int:
+    """The pid of the launcher's worker process with ``RANK=rank``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if ppid == launcher and f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    raise AssertionError(f"no worker of rank {rank} under {launcher}")
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """The last record of every step (a restarted run repeats the steps after its checkpoint)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def test_sigterm_to_one_worker_stops_both_with_a_checkpoint_then_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = _start(out, "--set", "train.steps=200", "--set", "train.checkpoint_every=1000")
+    _wait_for_step(out, 2, proc)
+    os.kill(_worker(proc.pid, 1), signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 5, stderr[-3000:]
+    assert "stopped on a signal after step" in stderr
+    step = max(_losses(out))
+    assert (out / "checkpoints" / f"step_{step:06d}" / ".metadata").is_file()
+    again = _start(out, "--set", f"train.steps={step + 1}", "--set", "train.checkpoint_every=1000")
+    _, stderr = again.communicate(timeout=240)
+    assert again.returncode == 0, stderr[-3000:]
+    assert f"resumed from step {step}" in stderr
+    assert max(_losses(out)) == step + 1
