@@ -62,7 +62,7 @@ def test_sigterm_to_one_worker_stops_both_with_a_checkpoint_then_resumes(tmp_pat
     proc = _start(out, "--set", "train.steps=200", "--set", "train.checkpoint_every=1000")
     _wait_for_step(out, 2, proc)
     os.kill(_worker(proc.pid, 1), signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=240)
+    _, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 5, stderr[-3000:]
     assert "stopped on a signal after step" in stderr
     step = max(_losses(out))
