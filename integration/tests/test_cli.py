@@ -31,14 +31,15 @@ def test_main_command_trains_on_4_workers_and_fills_the_run_folder(capfd, tmp_pa
     the command itself; rank 0 alone prints; the loss falls; the run folder has the resolved
     recipe, every metric of every step, TensorBoard events, the plot and 4 rank logs."""
     out_dir = tmp_path / "run"
-    assert main(["tiny", "--set", "train.steps=30", "--set", f"train.output_dir={out_dir}"]) == 0
+    args = ["train.steps=30", "train.eval_every=10", f"train.output_dir={out_dir}"]
+    assert main(["tiny", *(a for item in args for a in ("--set", item))]) == 0
     out = capfd.readouterr().out
     losses = _losses(out)
     assert len(losses) == 30, out  # one line per step: only rank 0 prints
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
     assert out.strip().splitlines()[-1].startswith("done: steps 1..30 of 30")
     resolved = recipe_from_dict(yaml.safe_load((out_dir / "recipe.yaml").read_text()))
-    assert resolved == load_recipe("tiny", ["train.steps=30", f"train.output_dir={out_dir}"])
+    assert resolved == load_recipe("tiny", args)
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 31))
     assert all(set(r) == set(METRIC_FIELDS) for r in records)
@@ -49,6 +50,8 @@ def test_main_command_trains_on_4_workers_and_fills_the_run_folder(capfd, tmp_pa
     events = EventAccumulator(str(out_dir / "tensorboard"))
     events.Reload()
     assert len(events.Scalars("train/loss")) == 30
+    assert [e.step for e in events.Scalars("eval/loss")] == [10, 20, 30]
+    assert [r["step"] for r in records if r["eval_loss"] is not None] == [10, 20, 30]
     assert (out_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in (out_dir / "logs").iterdir()) == [
         f"rank{r}.log" for r in range(4)

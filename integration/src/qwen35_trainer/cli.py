@@ -74,6 +74,7 @@ def _line(log: StepLog, steps: int, eta: str) -> str:
         f"step {log.step:>{len(str(steps))}}/{steps}  loss {log.loss:.4f}  ce {log.ce:.4f}  "
         f"aux {log.aux:.4f}  grad_norm {log.grad_norm:.3f}  lr {log.lr:.3g}  "
         f"tokens {log.tokens}  {rate:.0f} tok/s  {log.seconds * 1000:.0f} ms  eta {eta}"
+        + ("" if log.eval_loss is None else f"  eval {log.eval_loss:.4f}")
     )
 
 

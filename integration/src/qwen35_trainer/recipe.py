@@ -108,7 +108,8 @@ class TrainRecipe:
     evenly), normalised by the step's global valid-label count. ``schedule``: ``constant``,
     ``linear`` or ``cosine`` decay of the learning rate from ``lr`` after ``warmup_steps``
     linear warmup steps down to ``lr_floor * lr`` (:mod:`qwen35_trainer.schedule`).
-    ``keep_checkpoints``: keep only the newest that many (0: all). ``output_dir``: the run folder (resolved recipe, ``metrics.jsonl``, TensorBoard events,
+    ``keep_checkpoints``: keep only the newest that many (0: all). ``eval_every``: every that
+    many steps (and after the last), the loss on ``eval_steps`` held-out global batches. ``output_dir``: the run folder (resolved recipe, ``metrics.jsonl``, TensorBoard events,
     ``loss.png``, per-rank logs; :mod:`qwen35_trainer.run_folder`); ``None`` writes none."""
 
     steps: int = 10
@@ -133,6 +134,8 @@ class TrainRecipe:
     lr_floor: float = 0.0
     output_dir: str | None = None
     keep_checkpoints: int = 0
+    eval_every: int = 0
+    eval_steps: int = 1
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas
@@ -156,6 +159,8 @@ class TrainRecipe:
             "warmup_steps": (0 <= self.warmup_steps <= self.steps, "in [0, train.steps]"),
             "lr_floor": (0 <= self.lr_floor <= 1, "in [0, 1] (a fraction of train.lr)"),
             "keep_checkpoints": (self.keep_checkpoints >= 0, ">= 0 (0 keeps every checkpoint)"),
+            "eval_every": (self.eval_every >= 0, ">= 0 (0: no evaluation)"),
+            "eval_steps": (self.eval_steps >= 1, ">= 1"),
             "checkpoint_every": (self.checkpoint_every == 0 or (self.checkpoint_every > 0 and bool(
                 self.checkpoint_dir or self.output_dir)), ">= 0, and 0 when neither "
                 "train.checkpoint_dir nor train.output_dir says where checkpoints go"),

@@ -3,7 +3,7 @@
 ``train.output_dir`` holds ``recipe.yaml`` (the resolved recipe: every default filled in, so the
 run can be repeated from it alone), ``metrics.jsonl`` (one JSON object per optimizer step),
 TensorBoard event files under ``tensorboard/`` (``torch.utils.tensorboard``), ``loss.png``
-(the loss curve, matplotlib; rewritten at the end of the run) and ``logs/rank<R>.log`` (every
+(train and held-out loss curves, matplotlib; rewritten at every evaluation and at the end) and ``logs/rank<R>.log`` (every
 rank's step lines, so a failing rank's history is there). Rank 0 writes everything but its
 peers' logs; a metric that is not measured on this machine (CUDA memory on CPU) is ``null``,
 never a made-up number.
@@ -24,7 +24,7 @@ __all__ = ["METRIC_FIELDS", "RunFolder", "resolved_recipe"]
 METRIC_FIELDS = (
     "step", "loss", "ce", "aux", "grad_norm", "lr", "tokens", "tokens_per_s", "step_seconds",
     "data_seconds", "peak_memory_mib", "expert_load_max_over_mean", "experts_idle",
-    "cp_imbalance",
+    "cp_imbalance", "eval_loss",
 )  # fmt: skip
 
 
@@ -75,8 +75,11 @@ class RunFolder:
         self.metrics.write(json.dumps(metrics) + "\n")
         self.metrics.flush()
         for key, value in metrics.items():
-            if key != "step" and value is not None:
+            if key not in ("step", "eval_loss") and value is not None:
                 self.board.add_scalar(f"train/{key}", value, metrics["step"])
+        if metrics["eval_loss"] is not None:
+            self.board.add_scalar("eval/loss", metrics["eval_loss"], metrics["step"])
+            plot_loss(self.records, self.path / "loss.png")  # refreshed at every eval
 
     def close(self) -> None:
         """Flush everything and draw ``loss.png`` (rank 0)."""
@@ -100,6 +103,9 @@ def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["loss"] for r in records], label="loss (train)")
     ax.plot(steps, [r["ce"] for r in records], label="cross-entropy (train)", alpha=0.7)
+    evals = [(r["step"], r["eval_loss"]) for r in records if r["eval_loss"] is not None]
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="loss (held-out)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.legend()

@@ -24,7 +24,11 @@ from qwen35_trainer.data import IGNORE_INDEX, collate, rank_samples
 from qwen35_trainer.packing import PackedInputs, pack, row_layout
 from qwen35_trainer.parallel import Layout
 
-__all__ = ["StepResult", "micro_batches", "peak_memory_mib", "train_step"]
+__all__ = ["EVAL_STEP_OFFSET", "StepResult", "evaluate", "micro_batches", "peak_memory_mib",
+           "train_step"]  # fmt: skip
+
+# Held-out batches are the synthetic stream's steps from here on: training never reaches them.
+EVAL_STEP_OFFSET = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +109,22 @@ def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
         experts_idle=int((load == 0).sum()),
         cp_imbalance=float(cp_imbalance),
     )
+
+
+@torch.no_grad()
+def evaluate(recipe: Any, objective, model, layout: Layout, *, aux_coef: float,
+             device: torch.device) -> float:  # fmt: skip
+    """The global loss (CE + aux_coef * aux, each rank's shares summed) over
+    ``train.eval_steps`` held-out global batches, split over the ranks as training is."""
+    total = torch.zeros(2, device=device)
+    for e in range(recipe.train.eval_steps):
+        micro = micro_batches(recipe, model, layout, EVAL_STEP_OFFSET + e, device)
+        num_valid = count_valid(micro, layout, device)
+        for batch, packed in micro:
+            shares = objective(batch, layout.loss_group, packed, num_valid_tokens=num_valid)
+            total += torch.stack([shares.ce, shares.aux / len(micro)]).float()
+    total = _all_reduce(total, layout) / recipe.train.eval_steps
+    return float(total[0] + aux_coef * total[1])
 
 
 def peak_memory_mib(device: torch.device) -> float:

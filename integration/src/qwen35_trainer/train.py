@@ -46,7 +46,7 @@ from qwen35_trainer.preemption import Preempted, StopFlag
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.run_folder import RunFolder
 from qwen35_trainer.schedule import lr_at, set_lr
-from qwen35_trainer.step import micro_batches, peak_memory_mib, timed, train_step
+from qwen35_trainer.step import evaluate, micro_batches, peak_memory_mib, timed, train_step
 from safe_optim import build_optimizer
 
 __all__ = ["StepLog", "TrainResult", "train"]
@@ -69,6 +69,7 @@ class StepLog:
     tokens: int
     seconds: float
     lr: float = 0.0
+    eval_loss: float | None = None
     data_seconds: float = 0.0
     peak_memory_mib: float = 0.0
     expert_load_max_over_mean: float = 1.0
@@ -189,9 +190,13 @@ def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef
         micro, data_seconds = timed(micro_batches, recipe, model, layout, step, device)
         result = train_step(objective, optimizer, micro, layout, aux_coef=coef,
                             grad_clip=spec.grad_clip, device=device)  # fmt: skip
+        seconds = time.perf_counter() - began
+        eval_every, eval_loss = spec.eval_every, None
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == spec.steps):
+            eval_loss = evaluate(recipe, objective, model, layout, aux_coef=coef, device=device)
         log = StepLog(
             step + 1, result.ce + coef * result.aux, result.ce, result.aux,
-            result.grad_norm, result.tokens, time.perf_counter() - began, lr=lr,
+            result.grad_norm, result.tokens, seconds, lr=lr, eval_loss=eval_loss,
             data_seconds=data_seconds, peak_memory_mib=peak_memory_mib(device),
             expert_load_max_over_mean=result.expert_load_max_over_mean,
             experts_idle=result.experts_idle, cp_imbalance=result.cp_imbalance,

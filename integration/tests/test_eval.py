@@ -1,0 +1,38 @@
+"""Held-out evaluation: its loss equals transformers' own model's loss (labels +
+``output_router_logits``) on the same held-out batch with the trained weights, it is
+evaluated exactly every ``eval_every`` steps and after the last, and the held-out batches are
+not training batches."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from helpers import tiny
+
+from qwen35_trainer import build_config, train
+from qwen35_trainer.data import global_batch
+from qwen35_trainer.step import EVAL_STEP_OFFSET
+
+
+def test_eval_loss_is_transformers_loss_on_the_held_out_batch():
+    recipe = tiny("train.steps=3", "train.eval_every=2", "model.expert_backend=torch")
+    result = train(recipe)
+    assert [log.eval_loss is not None for log in result.logs] == [False, True, True]
+    config = build_config(recipe.model)  # transformers' own attention, not the packed one
+    reference = transformers.Qwen3_5MoeForConditionalGeneration(config)
+    reference.load_state_dict(result.objective.model.state_dict())
+    batch = global_batch(recipe.model, recipe.data, config.text_config.pad_token_id,
+                         step=EVAL_STEP_OFFSET, dp=1)  # fmt: skip
+    with torch.no_grad():
+        out = reference(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            mm_token_type_ids=batch.mm_token_type_ids,
+            pixel_values=batch.pixel_values,
+            image_grid_thw=batch.image_grid_thw,
+            labels=batch.labels,
+            output_router_logits=True,
+            use_cache=False,
+        )
+    torch.testing.assert_close(result.logs[-1].eval_loss, float(out.loss), rtol=1e-4, atol=0)
+    assert result.logs[-1].eval_loss not in [log.loss for log in result.logs]
