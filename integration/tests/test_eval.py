@@ -10,8 +10,7 @@ import transformers
 from helpers import tiny
 
 from qwen35_trainer import build_config, train
-from qwen35_trainer.data import global_batch
-from qwen35_trainer.step import EVAL_STEP_OFFSET
+from qwen35_trainer.data import HELD_OUT_INDEX, global_batch
 
 
 def test_eval_loss_is_transformers_loss_on_the_held_out_batch():
@@ -21,8 +20,10 @@ def test_eval_loss_is_transformers_loss_on_the_held_out_batch():
     config = build_config(recipe.model)  # transformers' own attention, not the packed one
     reference = transformers.Qwen3_5MoeForConditionalGeneration(config)
     reference.load_state_dict(result.objective.model.state_dict())
-    batch = global_batch(recipe.model, recipe.data, config.text_config.pad_token_id,
-                         step=EVAL_STEP_OFFSET, dp=1)  # fmt: skip
+    batch = global_batch(recipe.model, recipe.data, config.text_config.pad_token_id, step=0,
+                         dp=1, offset=HELD_OUT_INDEX)  # fmt: skip
+    train_batch = global_batch(recipe.model, recipe.data, config.text_config.pad_token_id, 0, 1)
+    assert not torch.equal(batch.pixel_values[:8], train_batch.pixel_values[:8])  # other samples
     with torch.no_grad():
         out = reference(
             input_ids=batch.input_ids,

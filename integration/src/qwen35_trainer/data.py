@@ -21,6 +21,7 @@ import torch
 from qwen35_trainer.recipe import DataRecipe, ModelRecipe
 
 __all__ = [
+    "HELD_OUT_INDEX",
     "IGNORE_INDEX",
     "Batch",
     "Sample",
@@ -121,12 +122,18 @@ def collate(samples: list[Sample], model: ModelRecipe, pad_token_id: int) -> Bat
     )
 
 
-def rank_samples(model: ModelRecipe, data: DataRecipe, step: int, rank: int,
-                 dp: int) -> list[Sample]:  # fmt: skip
+# Held-out samples: the stream from this index on. torch's generator seeds are 32-bit (seeds equal
+# modulo 2**32 give the same sample), so this is as far from the training samples as the seed
+# space allows: training would need 2**31 samples to reach them.
+HELD_OUT_INDEX = 1 << 31
+
+
+def rank_samples(model: ModelRecipe, data: DataRecipe, step: int, rank: int, dp: int, *,
+                 offset: int = 0) -> list[Sample]:  # fmt: skip
     """Data-parallel group ``rank``'s (of ``dp``) ``data.samples_per_rank`` samples of step
-    ``step``."""
+    ``step`` (of the held-out stream with ``offset=HELD_OUT_INDEX``)."""
     n = data.samples_per_rank
-    first = (step * dp + rank) * n
+    first = offset + (step * dp + rank) * n
     return [sample(model, data, first + j) for j in range(n)]
 
 
@@ -137,8 +144,8 @@ def rank_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: in
 
 
 def global_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int,
-                 dp: int) -> Batch:  # fmt: skip
+                 dp: int, *, offset: int = 0) -> Batch:  # fmt: skip
     """All ``dp`` ranks' rows of step ``step`` as one batch (the single-process reference)."""
     n = data.samples_per_rank
-    samples = [sample(model, data, step * dp * n + j) for j in range(dp * n)]
+    samples = [sample(model, data, offset + step * dp * n + j) for j in range(dp * n)]
     return collate(samples, model, pad_token_id)

@@ -20,15 +20,11 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compat import clip_grad_norm
-from qwen35_trainer.data import IGNORE_INDEX, collate, rank_samples
+from qwen35_trainer.data import HELD_OUT_INDEX, IGNORE_INDEX, collate, rank_samples
 from qwen35_trainer.packing import PackedInputs, pack, row_layout
 from qwen35_trainer.parallel import Layout
 
-__all__ = ["EVAL_STEP_OFFSET", "StepResult", "evaluate", "micro_batches", "peak_memory_mib",
-           "train_step"]  # fmt: skip
-
-# Held-out batches are the synthetic stream's steps from here on: training never reaches them.
-EVAL_STEP_OFFSET = 1 << 30
+__all__ = ["StepResult", "evaluate", "micro_batches", "peak_memory_mib", "train_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +40,13 @@ class StepResult:
     cp_imbalance: float
 
 
-def micro_batches(recipe: Any, model, layout: Layout, step: int, device: torch.device):
-    """This rank's ``(batch, packed inputs or None)`` per micro-batch of step ``step``."""
-    samples = rank_samples(recipe.model, recipe.data, step, layout.data_index, layout.data_size)
+def micro_batches(recipe: Any, model, layout: Layout, step: int, device: torch.device, *,
+                  offset: int = 0):  # fmt: skip
+    """This rank's ``(batch, packed inputs or None)`` per micro-batch of step ``step``
+    (``offset``: the stream's first sample index, :data:`qwen35_trainer.data.HELD_OUT_INDEX`
+    for held-out batches)."""
+    samples = rank_samples(recipe.model, recipe.data, step, layout.data_index, layout.data_size,
+                           offset=offset)  # fmt: skip
     n = recipe.train.grad_accum_steps
     if len(samples) % n:
         raise ValueError(
@@ -118,7 +118,7 @@ def evaluate(recipe: Any, objective, model, layout: Layout, *, aux_coef: float,
     ``train.eval_steps`` held-out global batches, split over the ranks as training is."""
     total = torch.zeros(2, device=device)
     for e in range(recipe.train.eval_steps):
-        micro = micro_batches(recipe, model, layout, EVAL_STEP_OFFSET + e, device)
+        micro = micro_batches(recipe, model, layout, e, device, offset=HELD_OUT_INDEX)
         num_valid = count_valid(micro, layout, device)
         for batch, packed in micro:
             shares = objective(batch, layout.loss_group, packed, num_valid_tokens=num_valid)
