@@ -15,6 +15,8 @@ def test_resume_continues_bit_identically(tmp_path, caplog):
     with caplog.at_level("INFO", logger="qwen35_trainer"):
         resumed = train(tiny("train.steps=3", f"train.checkpoint_dir={tmp_path}"))
     assert f"resumed from step 1 of {tmp_path}" in caplog.text
+    assert "train.steps changed on resume: 1 -> 3" in caplog.text
+    assert "train.lr changed" not in caplog.text
     assert [log.step for log in first.logs] == [1]
     assert [log.step for log in resumed.logs] == [2, 3]
     for ours, ref in zip(resumed.logs, straight.logs[1:], strict=True):
@@ -79,3 +81,12 @@ def test_a_checkpoint_of_another_model_is_one_clear_error(tmp_path):
     ):
         train(tiny("train.steps=2", f"train.checkpoint_dir={tmp_path}",
                    "model.text.moe_intermediate_size=24"))  # fmt: skip
+
+
+def test_a_changed_lr_on_resume_is_applied_and_said(tmp_path, caplog):
+    train(tiny("train.steps=1", f"train.checkpoint_dir={tmp_path}"))
+    with caplog.at_level("INFO", logger="qwen35_trainer"):
+        resumed = train(tiny("train.steps=2", "train.lr=0.5", f"train.checkpoint_dir={tmp_path}"))
+    assert "train.lr changed on resume: 0.01 -> 0.5 (the new value applies)" in caplog.text
+    assert "train.steps changed on resume: 1 -> 2" in caplog.text
+    assert [log.lr for log in resumed.logs] == [0.5]

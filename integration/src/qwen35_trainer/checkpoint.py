@@ -157,9 +157,11 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     *,
     keep: int = 0,
+    files: dict[str, str] | None = None,
 ) -> Path:
     """Write the state after ``step`` finished steps (every rank calls this); atomic, see the
-    module docstring. ``keep`` > 0: keep only the newest ``keep`` checkpoints."""
+    module docstring. ``keep`` > 0: keep only the newest ``keep`` checkpoints. ``files``: text
+    files rank 0 adds to the checkpoint (e.g. the resolved recipe), name -> content."""
     root = Path(checkpoint_dir)
     path = root / f"step_{step:06d}"
     partial = root / f"{path.name}.partial"
@@ -173,6 +175,8 @@ def save_checkpoint(
         dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
     _barrier()  # every rank's shards are written
     if rank0:
+        for name, text in (files or {}).items():
+            (partial / name).write_text(text)
         if path.exists():
             shutil.rmtree(path)
         partial.rename(path)

@@ -32,9 +32,11 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from qwen35_trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from qwen35_trainer.hf import export_hf
@@ -44,7 +46,7 @@ from qwen35_trainer.packing import enable_packing
 from qwen35_trainer.parallel import check_layout, parallelize
 from qwen35_trainer.preemption import Preempted, StopFlag
 from qwen35_trainer.recipe import Recipe
-from qwen35_trainer.run_folder import RunFolder
+from qwen35_trainer.run_folder import RunFolder, resolved_recipe
 from qwen35_trainer.schedule import lr_at, set_lr
 from qwen35_trainer.step import evaluate, micro_batches, peak_memory_mib, timed, train_step
 from safe_optim import build_optimizer
@@ -158,10 +160,12 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
         checkpoints = os.path.join(spec.output_dir, "checkpoints")
     start = _resume(checkpoints, objective, optimizer, device)
     if start:
-        message = f"resumed from step {start} of {checkpoints}"
-        logger.info(message)
-        if folder is not None:
-            folder.note(message)
+        messages = [f"resumed from step {start} of {checkpoints}"]
+        messages += _changed_on_resume(Path(checkpoints) / f"step_{start:06d}", recipe)
+        for message in messages:
+            logger.info(message)
+            if folder is not None:
+                folder.note(message)
     coef = spec.router_aux_loss_coef
     coef = model.config.text_config.router_aux_loss_coef if coef is None else coef
     logs = []
@@ -210,11 +214,28 @@ def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef
         stopping = stop.agreed(device)
         due = step + 1 == spec.steps or (every and (step + 1) % every == 0)
         if checkpoints and (due or stopping):
-            save_checkpoint(checkpoints, step + 1, objective, optimizer, keep=spec.keep_checkpoints)
+            save_checkpoint(checkpoints, step + 1, objective, optimizer, keep=spec.keep_checkpoints,
+                            files={"recipe.yaml": resolved_recipe(recipe)})  # fmt: skip
         if stopping:
             where = f"{checkpoints}/step_{step + 1:06d}" if checkpoints else None
             logger.info("stopping on a signal after step %d (saved: %s)", step + 1, where)
             raise Preempted(step + 1, where)
+
+
+# Recipe values that may change between a checkpoint and its resumption (re-applied from the
+# recipe the run is started with, not taken from the checkpoint).
+RESUMABLE_CHANGES = ("lr", "schedule", "warmup_steps", "lr_floor", "steps")
+
+
+def _changed_on_resume(path: Path, recipe: Recipe) -> list[str]:
+    """One line per :data:`RESUMABLE_CHANGES` value that differs from the checkpoint's recipe."""
+    saved = path / "recipe.yaml"
+    if not saved.is_file():
+        return []
+    before = yaml.safe_load(saved.read_text()).get("train", {})
+    now = dataclasses.asdict(recipe.train)
+    return [f"train.{k} changed on resume: {before[k]!r} -> {now[k]!r} (the new value applies)"
+            for k in RESUMABLE_CHANGES if k in before and before[k] != now[k]]  # fmt: skip
 
 
 def _resume(checkpoints: str | None, objective, optimizer, device: torch.device) -> int:
