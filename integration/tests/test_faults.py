@@ -1,5 +1,7 @@
-"""Preemption on real processes: SIGTERM to ONE of 2 workers stops both after the same step,
-with a checkpoint and exit code 5, and the same command resumes from it."""
+"""Preemption and worker failure, on real processes: SIGTERM to ONE of 2 workers stops both
+after the same step with a checkpoint and exit code 5, and the run resumes from it; a worker
+killed with SIGKILL under ``--max-restarts 1`` brings both back from the newest checkpoint and
+the run ends with the uninterrupted run's losses."""
 
 from __future__ import annotations
 
@@ -72,3 +74,18 @@ def test_sigterm_to_one_worker_stops_both_with_a_checkpoint_then_resumes(tmp_pat
     assert again.returncode == 0, stderr[-3000:]
     assert f"resumed from step {step}" in stderr
     assert max(_losses(out)) == step + 1
+
+
+def test_a_killed_worker_is_replaced_and_the_run_ends_as_if_nothing_happened(tmp_path):
+    steps = ["--set", "train.steps=8", "--set", "train.checkpoint_every=2"]
+    straight = _start(tmp_path / "straight", *steps)
+    _, stderr = straight.communicate(timeout=300)
+    assert straight.returncode == 0, stderr[-3000:]
+    out = tmp_path / "killed"
+    proc = _start(out, *steps, "--max-restarts", "1")
+    _wait_for_step(out, 3, proc)
+    os.kill(_worker(proc.pid, 1), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "resumed from step" in stderr  # it really restarted
+    assert _losses(out) == _losses(tmp_path / "straight")

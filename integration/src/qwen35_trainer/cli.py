@@ -14,6 +14,8 @@ Exit status: 0 every step ran with a finite loss; 1 a non-finite loss (the messa
 step); 2 a bad recipe or one that does not fit the launch or the model (the message says why);
 4 an unexpected internal error (with its traceback); 5 stopped by SIGTERM / SIGUSR1 after
 finishing a step and saving a checkpoint (run the same command again to resume).
+``--max-restarts N`` (with the built-in launch) brings all workers back after a worker dies,
+each resuming from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nproc", type=int, help="local workers to start (default: what the recipe needs)"
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all local workers up to N times after one fails (each resumes from the "
+        "newest checkpoint)",
+    )
 
     return parser
 
@@ -89,13 +98,14 @@ def _world(parallel) -> int:
     return parallel.dp_replicate * parallel.dp * parallel.cp * parallel.tp
 
 
-def _launch(argv: list[str], nproc: int) -> int:
+def _launch(argv: list[str], nproc: int, max_restarts: int) -> int:
     """Start ``nproc`` local workers running this command (they see ``WORLD_SIZE``)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)  # fmt: skip
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+                          max_restarts=max_restarts)  # fmt: skip
     try:
         elastic_launch(config, sys.executable)("-m", "qwen35_trainer.cli", *argv)
     except ChildFailedError as failed:  # the first worker to fail says why (others follow)
@@ -133,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_RECIPE
     if "WORLD_SIZE" not in os.environ and _world(recipe.parallel) > 1:
         sets = [a for item in [*args.overrides, *extra] for a in ("--set", item)]
-        return _launch([args.recipe, *sets], _world(recipe.parallel))
+        return _launch([args.recipe, *sets], _world(recipe.parallel), args.max_restarts)
     if printing:
         logging.basicConfig(level=logging.INFO, format="qwen35-train: %(message)s")
     steps, first = recipe.train.steps, [None]

@@ -110,7 +110,16 @@ def _init_distributed(one_rank_group: bool) -> bool:
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group(backend)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend)
+            return False
+        # Restarted workers share the elastic agent's store with the attempt before them, whose
+        # keys (a rank's address, under the same group names) are still there: each attempt
+        # gets its own key prefix, so no worker reads a dead worker's address.
+        store, rank, world = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"qwen35_trainer/attempt_{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         return False
     if not one_rank_group:
         return False
