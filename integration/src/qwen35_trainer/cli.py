@@ -29,6 +29,8 @@ import time
 import traceback
 import uuid
 
+import torch.distributed as dist
+
 from qwen35_trainer.preemption import Preempted
 from qwen35_trainer.recipe import builtin_recipes, load_recipe, recipe_path
 from qwen35_trainer.train import StepLog, train
@@ -115,6 +117,29 @@ def _launch(argv: list[str], nproc: int, max_restarts: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; a worker of a multi-rank run leaves through :func:`_worker_exit`."""
+    code = _main(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_initialized():
+        _worker_exit(code)
+    return code
+
+
+def _worker_exit(code: int) -> None:
+    """End a worker without the interpreter's teardown. There, gloo's threads abort the process
+    now and then ("terminate called without an active exception", exit 134): a finished run
+    reads as failed, and the launcher then kills the ranks still writing their outputs (rank 0's
+    ``loss.png``, rank 0's last message). After a successful or an agreed preempted run every
+    rank waits for the others (they all ran the same collectives and stopped after the same
+    step, so none waits forever), the group is destroyed, and the process exits with ``code``."""
+    if code in (0, EXIT_PREEMPTED):
+        dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     printing = os.environ.get("RANK", "0") == "0"
