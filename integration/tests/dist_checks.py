@@ -72,3 +72,37 @@ def check_resume_equals_uninterrupted(overrides, path, reference_logs, reference
     result = train(layout_recipe(world, *overrides, f"train.checkpoint_dir={path}"))
     state = result.objective.model.state_dict()
     assert_same_run(result.logs, reference_logs[1:], state, reference_state)
+
+
+def sharded_model(world: int, overrides, weights: str | None = None):
+    """The tiny model built on meta, parallelised under the layout ``overrides`` and
+    materialised (name-seeded, or from the checkpoint directory ``weights``)."""
+    import torch
+
+    from qwen35_trainer import TrainingObjective, build_meta_model, enable_packing, materialize
+    from qwen35_trainer.parallel import parallelize
+
+    r = layout_recipe(world, *overrides)
+    model = build_meta_model(r.model)
+    if r.data.packing:
+        enable_packing(model)
+    objective = TrainingObjective(model)
+    parallelize(objective, r.parallel, torch.device("cpu"), packing=r.data.packing,
+                param_dtype=torch.bfloat16 if r.train.dtype == "bfloat16" else None)  # fmt: skip
+    return materialize(model, "cpu", seed=r.train.seed, weights=weights)
+
+
+def check_materialized_weights(overrides, expected) -> None:
+    """Per source (``None``: name-seeded init, else a checkpoint directory), every parameter of
+    the sharded model, reassembled, equals the one-process tensor bit for bit."""
+    import torch
+
+    from qwen35_trainer.model.build import named_parameters
+
+    for weights, state in expected.items():
+        model = sharded_model(dist.get_world_size(), overrides, weights)
+        names = []
+        for name, _, _, param in named_parameters(model):
+            names.append(name)
+            assert torch.equal(full(param).detach(), state[name]), (weights, name)
+        assert sorted(names) == sorted(state), weights

@@ -7,9 +7,17 @@ CP and packing (:mod:`cp_varlen_attn`, :mod:`cp_vision`); activation checkpointi
 data stream; YAML recipes and the ``qwen35-train`` CLI.
 """
 
+from moe_parallel import swap_moe_blocks
 from qwen35_trainer.data import Batch, global_batch, rank_batch
-from qwen35_trainer.hf import export_hf, load_hf_weights
-from qwen35_trainer.model import build_config, build_model, moe_blocks, swap_moe_blocks
+from qwen35_trainer.model import (
+    build_config,
+    build_meta_model,
+    build_model,
+    export_hf,
+    load_hf_weights,
+    materialize,
+    moe_blocks,
+)
 from qwen35_trainer.objective import LossShares, TrainingObjective
 from qwen35_trainer.packing import PackedInputs, enable_packing, pack
 from qwen35_trainer.parallel import TP_PLAN, Layout, ParallelDims, check_layout, parallelize
@@ -43,6 +51,7 @@ __all__ = [
     "TrainingObjective",
     "__version__",
     "build_config",
+    "build_meta_model",
     "build_model",
     "check_layout",
     "enable_packing",
@@ -50,6 +59,7 @@ __all__ = [
     "global_batch",
     "load_hf_weights",
     "load_recipe",
+    "materialize",
     "moe_blocks",
     "pack",
     "parallelize",

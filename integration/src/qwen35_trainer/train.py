@@ -1,7 +1,8 @@
 """The training loop: one process, or any ``(dp_replicate, dp, cp, tp, ep)`` layout.
 
-Why the ranks take the same step as one process on the global batch: every rank builds the same
-initial weights (seeded), takes its tokens of the step's global batch (its data-parallel
+Why the ranks take the same step as one process on the global batch: the model is built on the
+meta device, parallelised, then each rank materialises its shards of the same initial weights
+(name-seeded, or read from ``model.weights``; :mod:`qwen35_trainer.model.build`), takes its tokens of the step's global batch (its data-parallel
 group's rows, and under CP its pieces of the packed row; TP peers take the same) and
 backpropagates its SHARE of the global loss (:mod:`qwen35_trainer.objective`); every gradient
 reduction is a SUM (:mod:`qwen35_trainer.parallel.apply`), so the reduced gradient is the
@@ -39,8 +40,7 @@ import torch.distributed as dist
 import yaml
 
 from qwen35_trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from qwen35_trainer.hf import export_hf
-from qwen35_trainer.model import build_model
+from qwen35_trainer.model import build_meta_model, export_hf, materialize
 from qwen35_trainer.objective import TrainingObjective
 from qwen35_trainer.packing import enable_packing
 from qwen35_trainer.parallel import check_layout, parallelize
@@ -146,7 +146,7 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
 
 def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
     device = _device()
-    model = build_model(recipe.model, seed=recipe.train.seed).to(device)
+    model = build_meta_model(recipe.model)
     if recipe.data.packing:
         enable_packing(model)
     objective = TrainingObjective(model, loss_chunk_size=recipe.train.loss_chunk_size)
@@ -159,6 +159,7 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
         param_dtype=torch.bfloat16 if bf16 else None,
         force_fsdp=bf16,
     )
+    materialize(model, device, seed=recipe.train.seed, weights=recipe.model.weights)
     spec = recipe.train
     optimizer = build_optimizer(objective.parameters(), spec.optimizer, lr=spec.lr,
                                 betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)  # fmt: skip

@@ -1,6 +1,6 @@
-"""The Qwen3.5 MoE-VLM: transformers' model with this workspace's MoE blocks.
+"""The recipe's transformers config of the Qwen3.5 MoE-VLM, checked before anything is built.
 
-The model is transformers' own ``Qwen3_5MoeForConditionalGeneration`` (vision tower, hybrid
+The model (:mod:`qwen35_trainer.model.build`) is transformers' own ``Qwen3_5MoeForConditionalGeneration`` (vision tower, hybrid
 Gated-DeltaNet / attention decoder, multimodal RoPE, ``lm_head``), so HF checkpoints load as
 they are and transformers stays the parity oracle. Every ``Qwen3_5MoeSparseMoeBlock`` is then
 replaced by :class:`moe_parallel.MoE` (:func:`moe_parallel.swap_moe_blocks`) holding the same
@@ -15,13 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
-from moe_parallel import MoE, swap_moe_blocks
 from qwen35_trainer.recipe import ModelRecipe
 
-__all__ = ["build_config", "build_model", "check_shapes", "moe_blocks", "swap_moe_blocks"]
+__all__ = ["build_config", "check_shapes"]
 
 
 def _checked(name: str, config_cls: type, values: dict[str, Any]) -> dict[str, Any]:
@@ -98,25 +94,3 @@ def check_shapes(config: Any) -> None:
                f"{vision.num_heads}, out {vision.out_hidden_size}")  # fmt: skip
         raise ValueError("model shapes do not fit together: expected " + "; ".join(failed)
                          + f" (got {got})")  # fmt: skip
-
-
-def moe_blocks(model: nn.Module) -> list[MoE]:
-    """The model's :class:`MoE` blocks in module order (decoder layer order)."""
-    return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-def build_model(spec: ModelRecipe, *, seed: int = 0) -> nn.Module:
-    """The recipe's model, MoE swapped: randomly initialised (seeded: every rank builds the
-    same weights), or with ``spec.weights`` loaded from a transformers checkpoint."""
-    from transformers import Qwen3_5MoeForConditionalGeneration
-
-    config = build_config(spec)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3_5MoeForConditionalGeneration(config)
-    swap_moe_blocks(model, expert_backend=spec.expert_backend)
-    if spec.weights is not None:
-        from qwen35_trainer.hf import load_hf_weights
-
-        load_hf_weights(model, spec.weights)
-    return model

@@ -1,0 +1,129 @@
+"""The ONE map between a transformers checkpoint on disk and the runtime state dict.
+
+The runtime names are transformers' own (our model is ``Qwen3_5MoeForConditionalGeneration``
+with MoE blocks holding the same tensors under the same names). On disk they agree except for
+the routed experts, which come in two layouts:
+
+- stacked, as in memory: ``…mlp.experts.gate_up_proj [E, 2I, H]``, ``…mlp.experts.down_proj
+  [E, H, I]``;
+- per expert, as transformers' ``save_pretrained`` writes them (and some published checkpoints
+  hold, e.g. for their MTP experts): ``…mlp.experts.{e}.gate_proj.weight [I, H]``,
+  ``…up_proj.weight [I, H]``, ``…down_proj.weight [H, I]``; the stacked expert ``e`` is
+  ``cat(gate_e, up_e)`` along its rows (transformers' own conversion, checked by the tests
+  against ``from_pretrained``).
+
+Multi-token-prediction tensors (``mtp.*``) have no runtime counterpart: they are reported and
+skipped. :class:`CheckpointFiles` reads tensors through the safetensors library (no pickle),
+row spans only (``safe_open(...).get_slice``), so a rank never reads more than its shard's
+dim-0 span of one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = ["SKIPPED_PREFIXES", "CheckpointFiles", "StateDictAdapter"]
+
+# On-disk tensors with no runtime counterpart, skipped (and reported).
+SKIPPED_PREFIXES = ("mtp.",)
+
+_STACKED = re.compile(r"^(?P<base>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+RowReader = Callable[[int, int], torch.Tensor]
+
+
+class CheckpointFiles:
+    """The tensors of a checkpoint directory's ``*.safetensors`` files (the index, when there
+    is one, says which file holds which tensor)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model.weights: no *.safetensors file in {self.path}")
+        from safetensors import safe_open
+
+        self._handles = {}
+        self.where: dict[str, str] = {}
+        for name in files:
+            if not (self.path / name).is_file():
+                raise ValueError(f"model.weights: {index} names {name}, which is not there")
+            handle = safe_open(str(self.path / name), framework="pt")
+            self._handles[name] = handle
+            for key in handle.keys():
+                self.where[key] = name
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.where[key]].get_slice(key).get_shape())
+
+    def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` of tensor ``key`` (dim 0), as stored."""
+        return self._handles[self.where[key]].get_slice(key)[lo:hi]
+
+
+class StateDictAdapter:
+    """Runtime name → a reader of its rows from ``files``, checked against the runtime shapes."""
+
+    def __init__(self, files: CheckpointFiles) -> None:
+        self.files = files
+        self.used: set[str] = set()
+
+    def reader(self, name: str, shape: tuple[int, ...], problems: list[str]) -> RowReader | None:
+        """How to read rows of runtime tensor ``name`` (full shape ``shape``), or ``None`` with
+        the reason appended to ``problems``."""
+        files = self.files
+        if name in files.where:
+            return self._direct(name, shape, problems)
+        stacked = _STACKED.match(name)
+        if stacked is None:
+            problems.append(f"{name}: missing (runtime shape {list(shape)})")
+            return None
+        return self._per_expert(stacked["base"], stacked["proj"], name, shape, problems)
+
+    def _direct(self, name, shape, problems) -> RowReader | None:
+        self.used.add(name)
+        if self.files.shape(name) != tuple(shape):
+            problems.append(f"{name}: shape {list(self.files.shape(name))} on disk, "
+                            f"{list(shape)} expected")  # fmt: skip
+            return None
+        return lambda lo, hi: self.files.rows(name, lo, hi)
+
+    def _per_expert(self, base, proj, name, shape, problems) -> RowReader | None:
+        experts, rows, cols = shape
+        parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+        keys = [[f"{base}.{e}.{part}.weight" for part in parts] for e in range(experts)]
+        absent = [k for ks in keys for k in ks if k not in self.files.where]
+        if absent:
+            problems.append(f"{name}: missing (neither stacked nor per expert; e.g. {absent[0]} "
+                            f"absent, {len(absent)} per-expert tensors in all)")  # fmt: skip
+            return None
+        part_shape = (rows // len(parts), cols)
+        wrong = [k for ks in keys for k in ks if self.files.shape(k) != part_shape]
+        self.used.update(k for ks in keys for k in ks)
+        if wrong:
+            problems.append(f"{name}: per-expert tensors of shape {list(part_shape)} expected, "
+                            f"{wrong[0]} is {list(self.files.shape(wrong[0]))}")  # fmt: skip
+            return None
+
+        def read(lo: int, hi: int) -> torch.Tensor:
+            stacked = [torch.cat([self.files.rows(k, 0, part_shape[0]) for k in keys[e]])
+                       for e in range(lo, hi)]  # fmt: skip
+            return torch.stack(stacked) if stacked else torch.empty((0, rows, cols))
+
+        return read
+
+    def unused(self) -> tuple[list[str], list[str]]:
+        """On-disk tensors no runtime tensor read: ``(skipped, unexpected)``."""
+        rest = sorted(set(self.files.where) - self.used)
+        skipped = [k for k in rest if k.startswith(SKIPPED_PREFIXES)]
+        return skipped, [k for k in rest if not k.startswith(SKIPPED_PREFIXES)]

@@ -1,0 +1,125 @@
+"""Build on the meta device, parallelise there, then materialise each rank's shards only.
+
+:func:`build_meta_model` makes transformers' ``Qwen3_5MoeForConditionalGeneration`` with
+:class:`moe_parallel.MoE` blocks (:mod:`qwen35_trainer.model.config`) without allocating a
+byte of weights, so a 122B model is built in seconds and the parallel stage (TP, EP, AC, FSDP)
+only rewraps meta tensors. :func:`materialize` then allocates every parameter's LOCAL shard on
+the device (``to_empty``) and fills it, one parameter at a time:
+
+- from ``model.weights`` (a transformers checkpoint directory): each rank reads the slices its
+  shards need (:mod:`qwen35_trainer.model.load`);
+- otherwise from the name-seeded initialisation (:mod:`qwen35_trainer.model.init`), so every
+  layout starts from the one-process weights exactly.
+
+The only buffers (the rotary embeddings' inverse frequencies, non-persistent) are recomputed by
+transformers' own rule. :func:`build_model` is the one-process shortcut: meta build +
+materialise on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from moe_parallel import MoE, swap_moe_blocks
+from qwen35_trainer.model.config import build_config
+from qwen35_trainer.model.init import init_rows, init_rule
+from qwen35_trainer.model.shards import local_index, read_local
+from qwen35_trainer.recipe import ModelRecipe
+
+__all__ = [
+    "build_meta_model",
+    "build_model",
+    "canonical_name",
+    "init_parameters",
+    "materialize",
+    "moe_blocks",
+    "named_parameters",
+]
+
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the transformers state dict (wrapper prefixes removed)."""
+    for wrapper in _WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def named_parameters(model: nn.Module):
+    """``(canonical name, module, attribute, parameter)`` for every parameter, in module
+    order."""
+    for path, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            yield canonical_name(f"{path}.{attr}" if path else attr), module, attr, param
+
+
+def moe_blocks(model: nn.Module) -> list[MoE]:
+    """The model's :class:`MoE` blocks in module order (decoder layer order)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def build_meta_model(spec: ModelRecipe) -> nn.Module:
+    """The recipe's model (MoE swapped) on the meta device: shapes only, no storage."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    config = build_config(spec)
+    with torch.device("meta"):
+        model = Qwen3_5MoeForConditionalGeneration(config)
+        swap_moe_blocks(model, expert_backend=spec.expert_backend)
+    return model
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def init_parameters(model: nn.Module, seed: int) -> None:
+    """Fill every (materialised) parameter's local shard with its name-seeded initial value."""
+    std = model.config.text_config.initializer_range
+    with torch.no_grad():
+        for name, module, attr, param in named_parameters(model):
+            rule = init_rule(module, attr, std)
+            padding = getattr(module, "padding_idx", None) if attr == "weight" else None
+            value = read_local(
+                lambda lo, hi, n=name, r=rule, p=param, pad=padding: init_rows(
+                    r, seed, n, p.shape, lo, hi, padding_row=pad
+                ),
+                local_index(param),
+            )
+            _local(param).copy_(value)
+
+
+def _rebuild_buffers(model: nn.Module) -> None:
+    for path, module in model.named_modules():
+        if not list(module.buffers(recurse=False)):
+            continue
+        if "RotaryEmbedding" not in type(module).__name__ or not hasattr(
+            module, "original_inv_freq"
+        ):
+            raise ValueError(f"no rule to rebuild the buffers of {path} ({type(module).__name__})")
+        model._init_weights(module)  # transformers' rule: inv_freq from the rope config
+
+
+def materialize(model: nn.Module, device: torch.device | str, *, seed: int = 0,
+                weights: str | None = None) -> nn.Module:  # fmt: skip
+    """Allocate the meta ``model``'s local shards on ``device`` and fill them (module
+    docstring); in place, returns ``model``."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        _rebuild_buffers(model)
+    if weights is None:
+        init_parameters(model, seed)
+    else:
+        from qwen35_trainer.model.load import load_hf_weights
+
+        load_hf_weights(model, weights)
+    return model
+
+
+def build_model(spec: ModelRecipe, *, seed: int = 0) -> nn.Module:
+    """The recipe's model on the host, unsharded: name-seeded random weights, or
+    ``spec.weights`` loaded."""
+    return materialize(build_meta_model(spec), "cpu", seed=seed, weights=spec.weights)

@@ -1,0 +1,94 @@
+"""Write the (sharded) model as a transformers checkpoint directory without gathering it.
+
+Every rank computes the same plan from the parameters' names and full shapes alone: tensors
+are dealt in module order to the rank with the fewest bytes so far, and each rank's tensors
+are cut into files of at most ``max_file_bytes``; the files are numbered
+``model-00001-of-000NN.safetensors`` across all ranks. Then, tensor by tensor and in the same
+order on every rank, a sharded parameter is reassembled (``full_tensor``: one tensor at a
+time, so memory is bounded by one tensor plus the file being filled) and kept only by its
+owner, which writes each of its files as soon as it is full. Rank 0 writes the index
+(``model.safetensors.index.json``) and ``config.json``. The tensors keep their runtime names
+and layouts (stacked experts), which transformers' ``from_pretrained`` loads as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from qwen35_trainer.model.build import named_parameters
+
+__all__ = ["export_hf", "export_plan"]
+
+MAX_FILE_BYTES = 2 << 30
+
+
+def export_plan(entries: list[tuple[str, int]], world: int,
+                max_file_bytes: int = MAX_FILE_BYTES) -> list[tuple[int, int]]:  # fmt: skip
+    """Per ``(name, bytes)`` entry: ``(owner rank, file number)``, file numbers counted from 1
+    over all ranks (rank 0's files first)."""
+    owners, load = [], [0] * world
+    for _, size in entries:
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners.append(rank)
+        load[rank] += size
+    local_file, filled, files = [0] * len(entries), [0] * world, [0] * world
+    for i, (_, size) in enumerate(entries):
+        rank = owners[i]
+        if files[rank] == 0 or filled[rank] + size > max_file_bytes:
+            files[rank] += 1
+            filled[rank] = 0
+        filled[rank] += size
+        local_file[i] = files[rank]
+    first = [1 + sum(files[:r]) for r in range(world)]
+    return [(owners[i], first[owners[i]] + local_file[i] - 1) for i in range(len(entries))]
+
+
+def _file_name(number: int, total: int) -> str:
+    return f"model-{number:05d}-of-{total:05d}.safetensors"
+
+
+def export_hf(model: nn.Module, path: str | Path, *,
+              max_file_bytes: int = MAX_FILE_BYTES) -> None:  # fmt: skip
+    """Every rank calls this (module docstring); returns when the directory is complete."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    params = [(name, param) for name, _, _, param in named_parameters(model)]
+    entries = [(name, math.prod(p.shape) * p.dtype.itemsize) for name, p in params]
+    plan = export_plan(entries, world, max_file_bytes)
+    total = max((number for _, number in plan), default=0)
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    pending: dict[str, torch.Tensor] = {}
+    current = None
+    for (name, param), (owner, number) in zip(params, plan, strict=True):
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if owner != rank:
+            continue
+        if current is not None and number != current:
+            save_file(pending, str(path / _file_name(current, total)), metadata={"format": "pt"})
+            pending = {}
+        current = number
+        pending[name] = full.detach().to("cpu", copy=True).contiguous()
+    if pending:
+        save_file(pending, str(path / _file_name(current, total)), metadata={"format": "pt"})
+    if rank == 0:
+        weight_map = {name: _file_name(number, total)
+                      for (name, _), (_, number) in zip(params, plan, strict=True)}  # fmt: skip
+        index = {"metadata": {"total_size": sum(size for _, size in entries)},
+                 "weight_map": weight_map}  # fmt: skip
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        model.config.save_pretrained(str(path))
+    if dist.is_initialized():
+        dist.barrier()

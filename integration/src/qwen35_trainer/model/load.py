@@ -1,0 +1,68 @@
+"""Read a transformers checkpoint directory straight into this rank's shards.
+
+Every rank first plans the whole load from metadata only (:class:`~qwen35_trainer.model.
+adapter.StateDictAdapter`: a reader per runtime tensor, every missing or mismatched tensor and
+every unexpected on-disk one); the ranks agree on whether any of them found a problem (one
+all-reduce on the group's device) and then all raise the same ``ValueError`` listing them, so
+a bad checkpoint never leaves a rank waiting in a collective. Then each parameter's local
+shard is read as the dim-0 span of its shard (:func:`~qwen35_trainer.model.shards.read_local`)
+and copied in: host memory holds this rank's shards plus one tensor's slice.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from qwen35_trainer.model.adapter import CheckpointFiles, StateDictAdapter
+from qwen35_trainer.model.build import named_parameters
+from qwen35_trainer.model.shards import local_index, read_local
+
+__all__ = ["load_hf_weights"]
+
+logger = logging.getLogger("qwen35_trainer")
+
+
+def _agree(failed: bool, device: torch.device) -> bool:
+    """Whether any rank failed (every rank gets the same answer)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return failed
+    flag = torch.tensor([int(failed)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def load_hf_weights(model: nn.Module, path: str | Path) -> None:
+    """Fill every parameter of ``model`` (materialised, sharded or not) from the transformers
+    checkpoint directory ``path``; ``ValueError`` on every rank listing what does not fit."""
+    params = list(named_parameters(model))
+    device = params[0][3].device if params else torch.device("cpu")
+    problems: list[str] = []
+    try:
+        adapter = StateDictAdapter(CheckpointFiles(path))
+    except ValueError as err:
+        adapter, problems = None, [str(err)]
+    readers = {}
+    if adapter is not None:
+        for name, _, _, param in params:
+            readers[name] = adapter.reader(name, tuple(param.shape), problems)
+        skipped, unexpected = adapter.unused()
+        problems += [f"{key}: on disk, not in the model" for key in unexpected]
+    if _agree(bool(problems), device):
+        where = "; ".join(problems[:20]) if problems else "(found by another rank)"
+        more = f" ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ValueError(f"checkpoint {path} does not fit the recipe's model "
+                         f"({len(problems)} problems here): {where}{more}")  # fmt: skip
+    if skipped:
+        logger.info("checkpoint %s: skipped %d multi-token-prediction tensors (mtp.*)", path,
+                    len(skipped))  # fmt: skip
+    with torch.no_grad():
+        for name, _, _, param in params:
+            local = param.to_local() if isinstance(param, DTensor) else param
+            value = read_local(readers[name], local_index(param))
+            local.copy_(value.to(local.dtype))

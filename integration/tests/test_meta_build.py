@@ -1,0 +1,74 @@
+"""Meta-device build, materialisation and HF checkpoints straight into shards (gloo, world 4).
+
+The one-process weights are the reference: the name-seeded initialisation of
+:func:`qwen35_trainer.build_model`, and the tensors of a transformers checkpoint in both on-disk
+expert layouts (per expert, as ``save_pretrained`` writes it, with extra ``mtp.*`` tensors that
+are skipped; stacked, as our sharded export writes it). Each layout builds the model on meta,
+parallelises it, materialises only its shards, and every reassembled parameter must equal the
+reference bit for bit. The training runs of test_train_dp.py start from these same meta builds,
+so their per-step losses against one process cover the steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from dist_checks import check_materialized_weights, layout_recipe
+from safetensors.torch import save_file
+
+from dist_testkit import named_check, run_checks
+from qwen35_trainer import build_config, build_model, export_hf
+
+LAYOUTS = {
+    "ep2_fsdp": ("parallel.dp=4", "parallel.ep=2"),
+    "cp2_ep2": ("parallel.dp=2", "parallel.cp=2", "parallel.ep=2", "data.packing=true"),
+    "tp2": ("parallel.dp=2", "parallel.tp=2", "data.packing=true"),
+    "tp2_ep2_bf16": ("parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "data.packing=true",
+                     "train.dtype=bfloat16"),
+    "hsdp_ep2": ("parallel.dp_replicate=2", "parallel.dp=2", "parallel.ep=2"),
+}  # fmt: skip
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory):
+    """Source -> the one-process state dict: None (init) and two checkpoint directories."""
+    r = layout_recipe(1)
+    per_expert = tmp_path_factory.mktemp("per_expert")
+    torch.manual_seed(7)
+    hf = transformers.Qwen3_5MoeForConditionalGeneration(build_config(r.model))
+    hf.save_pretrained(per_expert)
+    mtp = {"mtp.layers.0.mlp.experts.0.gate_proj.weight": torch.ones(2, 2)}
+    save_file(mtp, str(per_expert / "model-mtp.safetensors"))
+    stacked = tmp_path_factory.mktemp("stacked")
+    export_hf(hf, stacked, max_file_bytes=1 << 16)  # several files, experts stacked
+    return {None: _state(build_model(r.model, seed=r.train.seed)),
+            str(per_expert): _state(hf), str(stacked): _state(hf)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launch(expected):
+    checks = {name: named_check(name, check_materialized_weights, overrides, expected)
+              for name, overrides in LAYOUTS.items()}  # fmt: skip
+    return checks, run_checks(list(checks.values()), 4, timeout=600)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_meta_build_materialises_the_one_process_weights(launch, layout):
+    checks, report = launch
+    report.assert_passed(checks[layout])
+
+
+def test_the_checkpoints_hold_both_expert_layouts(expected):
+    """Guards the fixture: one directory per expert layout, so both readers are exercised."""
+    from qwen35_trainer.model.adapter import CheckpointFiles
+
+    per_expert, stacked = (CheckpointFiles(p).where for p in expected if p is not None)
+    assert any(k.endswith("experts.0.gate_proj.weight") for k in per_expert)
+    assert not any(k.endswith("experts.gate_up_proj") for k in per_expert)
+    assert any(k.endswith("experts.gate_up_proj") for k in stacked)
+    assert any(k.startswith("mtp.") for k in per_expert)
