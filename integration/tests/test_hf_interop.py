@@ -55,5 +55,5 @@ def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):
     transformers.Qwen3_5MoeForConditionalGeneration(build_config(other.model)).save_pretrained(
         tmp_path
     )
-    with pytest.raises(ValueError, match="does not fit the recipe.s model .* expected"):
+    with pytest.raises(ValueError, match=r"does not fit the recipe.s model .* expected"):
         build_model(tiny(f"model.weights={tmp_path}").model)

@@ -61,10 +61,11 @@ class PackedBatch:
 
 
 def pack(samples: list[Sample], model_spec: Any, rope_index, pad_token_id: int,
-         multiple: int = 8) -> PackedBatch:  # fmt: skip
+         multiple: int = 8, capacity: int | None = None) -> PackedBatch:  # fmt: skip
     """Concatenate ``samples`` into one row padded to a multiple of ``multiple``.
 
-    ``rope_index``: the model's ``get_rope_index`` (positions of one document).
+    ``rope_index``: the model's ``get_rope_index`` (positions of one document). ``capacity``:
+    the most tokens a row may hold (``data.pack_length``); a longer row is refused.
     """
     vocab = text_vocab(model_spec)
     ids, labels, positions, lengths = [], [], [], []
@@ -79,6 +80,11 @@ def pack(samples: list[Sample], model_spec: Any, rope_index, pad_token_id: int,
         positions.append(pos)
         lengths.append(doc.numel())
     total = sum(lengths)
+    if capacity is not None and total + (-total % multiple) > capacity:
+        raise ValueError(
+            f"a packed row of {len(samples)} documents holds {total} tokens (padded to a "
+            f"multiple of {multiple}), more than data.pack_length={capacity}"
+        )
     pad = -total % multiple
     if pad:
         ids.append(torch.full((pad,), pad_token_id))

@@ -57,7 +57,9 @@ class DataRecipe:
     grids [t, h, w] are drawn from ``image_grids``; ``samples_per_rank`` per rank and step, as
     right-padded rows, or with ``packing`` as ONE row of concatenated documents kept apart in
     every layer (:mod:`qwen35_trainer.packing`). ``text_only``: ``[period, count]`` — the last
-    ``count`` of every ``period`` samples carry no image (text-only rows)."""
+    ``count`` of every ``period`` samples carry no image (text-only rows). ``pack_length``: the
+    capacity of a packed row in tokens (the planner's sequence length; a longer row is
+    refused); ``None``: as long as its documents."""
 
     samples_per_rank: int = 2
     packing: bool = False
@@ -66,6 +68,7 @@ class DataRecipe:
     images_per_sample: int = 1
     text_only: tuple[int, int] | None = None
     seed: int = 0
+    pack_length: int | None = None
 
     def __post_init__(self) -> None:
         lo, hi = self.text_tokens
@@ -75,6 +78,8 @@ class DataRecipe:
             "images_per_sample": (self.images_per_sample >= 0, ">= 0"),
             "image_grids": (bool(self.image_grids) and all(min(g) >= 1 for g in self.image_grids),
                             "a non-empty list of [t, h, w] with every entry >= 1"),
+            "pack_length": (self.pack_length is None or self.pack_length >= 8,
+                            ">= 8 tokens, or null"),
             "text_only": (self.text_only is None or (0 <= self.text_only[1] <= self.text_only[0]
                           and self.text_only[0] >= 1),
                           "[period, count] with 0 <= count <= period, or null"),
@@ -96,7 +101,8 @@ def _refuse(section: str, rules: dict[str, tuple[bool, str]], values: Any) -> No
 @dataclasses.dataclass(frozen=True)
 class TrainRecipe:
     """Optimisation. ``optimizer``: an Adam-family :func:`safe_optim.build_optimizer` name
-    (``adamw``, ``adam``, ``te_fused_adam``), given ``lr``, ``betas``, ``eps``, ``weight_decay``. ``router_aux_loss_coef`` ``None`` takes the model
+    (``adamw``, ``adam``, ``te_fused_adam``; ``auto``: ``te_fused_adam`` where TransformerEngine
+    imports, else ``adamw``), given ``lr``, ``betas``, ``eps``, ``weight_decay``. ``router_aux_loss_coef`` ``None`` takes the model
     config's value. ``activation_checkpointing``: recompute decoder (and trainable vision)
     blocks in backward (:func:`moe_parallel.apply_activation_checkpointing`).
     ``checkpoint_dir``: save there every ``checkpoint_every`` steps (0: only after the last) and

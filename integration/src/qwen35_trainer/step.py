@@ -59,7 +59,8 @@ def micro_batches(recipe: Any, model, layout: Layout, step: int, device: torch.d
     for first in range(0, len(samples), size):
         part = samples[first : first + size]
         if recipe.data.packing:
-            row = pack(part, recipe.model, model.model.get_rope_index, pad)
+            row = pack(part, recipe.model, model.model.get_rope_index, pad,
+                       capacity=recipe.data.pack_length)  # fmt: skip
             packed = PackedInputs(row.position_ids.to(device), row_layout(row, layout.cp),
                                   layout.cp_group)  # fmt: skip
             out.append((row.batch.to(device), packed))

@@ -161,7 +161,7 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
     )
     materialize(model, device, seed=recipe.train.seed, weights=recipe.model.weights)
     spec = recipe.train
-    optimizer = build_optimizer(objective.parameters(), spec.optimizer, lr=spec.lr,
+    optimizer = build_optimizer(objective.parameters(), optimizer_name(spec.optimizer), lr=spec.lr,
                                 betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)  # fmt: skip
     rank = dist.get_rank() if dist.is_initialized() else 0
     folder = RunFolder(spec.output_dir, recipe, rank) if spec.output_dir else None
@@ -235,6 +235,19 @@ def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef
 # Recipe values that may change between a checkpoint and its resumption (re-applied from the
 # recipe the run is started with, not taken from the checkpoint).
 RESUMABLE_CHANGES = ("lr", "schedule", "warmup_steps", "lr_floor", "steps")
+
+
+def optimizer_name(name: str) -> str:
+    """``train.optimizer`` resolved: ``auto`` is TransformerEngine's fused Adam (AdamW-style
+    decay, fp32 moments) where TE imports, else torch's AdamW (said once)."""
+    if name != "auto":
+        return name
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
+        logger.info("train.optimizer=auto: TransformerEngine is not installed, using adamw")
+        return "adamw"
+    return "te_fused_adam"
 
 
 def _changed_on_resume(path: Path, recipe: Recipe) -> list[str]:

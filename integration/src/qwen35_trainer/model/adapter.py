@@ -60,7 +60,7 @@ class CheckpointFiles:
                 raise ValueError(f"model.weights: {index} names {name}, which is not there")
             handle = safe_open(str(self.path / name), framework="pt")
             self._handles[name] = handle
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 self.where[key] = name
 
     def shape(self, key: str) -> tuple[int, ...]:

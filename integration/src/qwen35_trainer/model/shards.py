@@ -7,35 +7,47 @@ included. :func:`local_index` gives, per dim, the global index range of the loca
 ``full[r_0, r_1, ...]`` is exactly ``param.to_local()``. Materialising, loading and exporting
 all read or write ONE tensor's slice through it, never the full model.
 
-Why it is exact: every layout here shards a dim by nested ``torch.chunk`` splits (FSDP2 chunks
-the TP / EP shard it is given), so each local shard is a contiguous block per dim; torch's own
-``compute_local_shape_and_global_offset`` gives its offset and shape from the placements
-(strided and uneven shards included) without any collective, so it also runs on the planner's
-fake process group. The shape it gives is checked against the actual local tensor.
+Why it is exact: every layout here shards a dim by nested ``torch.chunk`` splits — TP and EP
+split the full tensor, then FSDP2 chunks the shard it is given along dim 0 (its placement is
+``_StridedShard`` when that dim was split already, and it sits on an EARLIER mesh dim than the
+TP / EP split it refines). So the local shard is one contiguous block per dim, found by
+applying the mesh dims' splits from the last to the first, each taking chunk ``c`` of ``n`` of
+the current range with ``torch.chunk``'s sizes (``ceil(len / n)``, the last chunks short or
+empty — FSDP2's uneven rule, which DTensor's own offset helper does not follow for empty
+chunks). No collective runs, so it also works on the planner's fake process group; the shape
+found is checked against the tensor the rank actually holds.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 __all__ = ["local_index", "read_local"]
 
 
 def local_index(param: torch.Tensor) -> list[range]:
     """Per dim, the global index range of this rank's local shard of ``param``."""
+    ranges = [range(n) for n in param.shape]
     if not isinstance(param, DTensor):
-        return [range(n) for n in param.shape]
-    shape, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
-    )
-    if tuple(shape) != tuple(param.to_local().shape):
+        return ranges
+    coordinate = param.device_mesh.get_coordinate()
+    for mesh_dim in reversed(range(param.device_mesh.ndim)):
+        d = getattr(param.placements[mesh_dim], "dim", None)  # Shard and _StridedShard
+        if d is None:
+            continue
+        n, c = param.device_mesh.size(mesh_dim), coordinate[mesh_dim]
+        current = ranges[d]
+        size = -(-len(current) // n)
+        lo = min(current.start + c * size, current.stop)
+        ranges[d] = range(lo, min(lo + size, current.stop))
+    held = tuple(param.to_local().shape)
+    if tuple(len(r) for r in ranges) != held:
         raise RuntimeError(
-            f"shard of a {list(param.shape)} tensor placed {param.placements}: torch gives "
-            f"local shape {list(shape)}, the rank holds {list(param.to_local().shape)}"
+            f"shard of a {list(param.shape)} tensor placed {param.placements}: the chunk rule "
+            f"gives local shape {[len(r) for r in ranges]}, the rank holds {list(held)}"
         )
-    return [range(o, o + n) for o, n in zip(offset, shape, strict=True)]
+    return ranges
 
 
 def read_local(read_rows, index: list[range]) -> torch.Tensor:

@@ -1,0 +1,154 @@
+"""The dry-run planner: will a recipe fit, before anyone books the GPUs?
+
+On the CPU, for the first and the last rank of the recipe's world (the two ends of every uneven
+split; the ranks between hold the same as one of them or less), each in a fresh process (torch
+caches meshes per process) on a fake process group (:mod:`.world`): the model is built on the meta device and parallelised by the SAME code
+the trainer runs (:func:`qwen35_trainer.parallel.parallelize`: TP, EP, AC, FSDP2 with mixed
+precision), then every byte is accounted (:mod:`.memory`) and the traffic of one step is
+estimated (:func:`communication`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from qwen35_trainer.model.config import build_config
+from qwen35_trainer.plan.memory import ROUTING_SKEW, Memory, Shape, memory
+from qwen35_trainer.plan.world import fake_world, rescaled
+
+__all__ = ["Plan", "communication", "plan", "row_shape"]
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    recipe_name: str
+    world: int
+    layout: dict
+    total_parameters: int
+    active_parameters: int
+    ranks: dict[int, Memory]
+    communication: dict[str, int]
+    gpu_memory_gib: float
+
+    @property
+    def peak_gib(self) -> float:
+        return max(m.peak for m in self.ranks.values()) / GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gib <= self.gpu_memory_gib
+
+    def to_json(self) -> dict:
+        return {
+            "recipe": self.recipe_name, "world": self.world, "layout": self.layout,
+            "total_parameters": self.total_parameters,
+            "active_parameters": self.active_parameters,
+            "ranks": {str(r): {**dataclasses.asdict(m), "peak": m.peak}
+                      for r, m in self.ranks.items()},
+            "communication_bytes_per_step": self.communication,
+            "routing_skew": ROUTING_SKEW, "predicted_peak_gib": self.peak_gib,
+            "gpu_memory_gib": self.gpu_memory_gib, "fits": self.fits,
+        }  # fmt: skip
+
+
+def row_shape(recipe, cp: int) -> Shape:
+    """Tokens and patches of the recipe's largest row, and this rank's part of it."""
+    data, vision = recipe.data, recipe.model.vision
+    merge = vision.get("spatial_merge_size", 2) ** 2
+    patches = max(t * h * w for t, h, w in data.image_grids) * data.images_per_sample
+    frames = max(t for t, _, _ in data.image_grids) * data.images_per_sample
+    per_doc = data.text_tokens[1] + patches // merge
+    n = data.samples_per_rank
+    row = data.pack_length or n * per_doc
+    local_frames = math.ceil(n * frames / cp)
+    return Shape(tokens=math.ceil(row / cp) if data.packing else row, row_tokens=row,
+                 image_tokens=n * patches // merge,
+                 patches=local_frames * patches // max(frames, 1),
+                 compute_bytes=2 if recipe.train.dtype == "bfloat16" else 4)  # fmt: skip
+
+
+def communication(model, dims, shape: Shape) -> dict[str, int]:
+    """Bytes each rank sends in one step, by kind (ring collectives: ``(n-1)/n`` of the data;
+    forward, recompute and backward counted where each runs)."""
+    text = model.config.text_config
+    b = shape.compute_bytes
+    experts = sum(p.numel() for n, p in model.named_parameters() if "experts." in n)
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    shard = dims.dp_shard * dims.cp
+    efsdp = shard // dims.ep
+
+    def ring(n: int) -> float:
+        return (n - 1) / n if n > 1 else 0.0
+
+    gather = 2 * (dense * b * ring(shard) + experts / dims.ep * b * ring(efsdp))
+    scatter = dense * 4 * ring(shard) + experts / dims.ep * 4 * ring(efsdp)
+    a2a = text.num_hidden_layers * shape.tokens * text.num_experts_per_tok * text.hidden_size
+    full = sum(t == "full_attention" for t in text.layer_types)
+    kv = 2 * text.num_key_value_heads * text.head_dim
+    return {
+        "fsdp_all_gather": int(gather),
+        "fsdp_reduce_scatter": int(scatter),
+        "ep_all_to_all": int(a2a * b * 2 * 3 * ring(dims.ep)),
+        "cp_exchange": int(full * shape.row_tokens * kv * b * 3 * ring(dims.cp)),
+        "vision_gather": int(shape.image_tokens * text.hidden_size * b * 2 * ring(dims.cp)),
+    }
+
+
+def _rank_plan(recipe, world: int, rank: int):
+    """``(Memory, total, routed, communication)`` of ``rank``: the model built on meta and
+    parallelised on a fake world by the trainer's own code."""
+    from qwen35_trainer.model import build_meta_model
+    from qwen35_trainer.objective import TrainingObjective
+    from qwen35_trainer.packing import enable_packing
+    from qwen35_trainer.parallel import FSDP_UNITS, check_layout, parallelize
+
+    dims = check_layout(recipe.parallel, world, packing=recipe.data.packing)
+    with fake_world(world, rank):
+        model = build_meta_model(recipe.model)
+        if recipe.data.packing:
+            enable_packing(model)
+        objective = TrainingObjective(model, loss_chunk_size=recipe.train.loss_chunk_size)
+        bf16 = recipe.train.dtype == "bfloat16"
+        parallelize(objective, recipe.parallel, torch.device("cpu"), packing=recipe.data.packing,
+                    activation_checkpointing=recipe.train.activation_checkpointing,
+                    param_dtype=torch.bfloat16 if bf16 else None, force_fsdp=bf16)  # fmt: skip
+        units = [m for m in model.modules()
+                 if any(c.__name__ in FSDP_UNITS for c in type(m).__mro__)]  # fmt: skip
+        shape = row_shape(recipe, dims.cp)
+        mem = memory(model, dims, shape, checkpointing=recipe.train.activation_checkpointing,
+                     units=units)  # fmt: skip
+        total = sum(p.numel() for p in model.parameters())
+        routed = sum(p.numel() for n, p in model.named_parameters() if "experts." in n)
+        return mem, total, routed, communication(model, dims, shape)
+
+
+def plan(recipe, *, name: str = "recipe", world_size: int | None = None,
+         gpu_memory_gib: float = 80.0) -> Plan:  # fmt: skip
+    """The :class:`Plan` of ``recipe`` on ``world_size`` ranks (default: what it needs);
+    ``ValueError`` with the reasons for a layout that cannot run."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from qwen35_trainer.parallel import check_layout
+
+    p = recipe.parallel
+    needed = p.dp_replicate * p.dp * p.cp * p.tp
+    world = world_size or needed
+    if world != needed:
+        recipe = dataclasses.replace(recipe, parallel=rescaled(p, world))
+    check_layout(recipe.parallel, world, packing=recipe.data.packing)
+    ranks = {}
+    spawn = multiprocessing.get_context("spawn")
+    for rank in sorted({0, world - 1}):
+        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            ranks[rank], total, routed, traffic = pool.submit(_rank_plan, recipe, world,
+                                                              rank).result()  # fmt: skip
+    text = build_config(recipe.model).text_config
+    active = total - routed + routed * text.num_experts_per_tok // text.num_experts
+    layout = {k: getattr(recipe.parallel, k) for k in ("dp_replicate", "dp", "cp", "tp", "ep")}
+    return Plan(name, world, layout, total, active, ranks, traffic, gpu_memory_gib)

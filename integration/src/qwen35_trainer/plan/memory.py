@@ -1,0 +1,139 @@
+"""Bytes per rank and per step, from the parallelised meta model and the recipe.
+
+Exact (counted from this rank's DTensor shards, equal to a real run's tensors):
+
+- ``parameters``: every local shard in its storage dtype (fp32 master weights);
+- ``gradients``: the same shards (FSDP2 keeps sharded fp32 gradients);
+- ``optimizer``: AdamW / TE fused Adam: two fp32 moments per local element, plus one 4-byte
+  step counter per parameter tensor.
+
+Modelled (the formulas are stated where they are computed; ``b`` = compute bytes, 2 for bf16;
+``S`` = tokens on this rank = ``pack_length / cp``; the tests compare the saved activations
+with a real run's saved tensors):
+
+- ``activations``: with activation checkpointing each decoder block saves its input
+  ``S·H·b`` and each vision block ``P·Hv·b`` (``P`` = this rank's patches under frame
+  sharding); without it, the block's working set below is kept for every block;
+- ``recompute``: the working set of ONE decoder block rebuilt in the backward: the mixer's
+  projections, the MoE's routed rows (``k·S`` rows times the ``ROUTING_SKEW`` factor for the
+  busiest EP rank) and the shared expert;
+- ``loss``: the chunked loss's fp32 gradients kept from the forward (``grad_hidden S·H·4`` and
+  ``grad_weight V·H·4``) plus one chunk's working set (chunked-loss's 256 MiB budget);
+- ``fsdp_buffers``: the largest unit unsharded in ``b`` twice (the running and the prefetched
+  unit) plus its unsharded fp32 gradient; the root unit (embeddings, ``lm_head``, merger)
+  unsharded for the whole step with its fp32 gradients;
+- ``cp_buffers``: full attention's K/V of the whole row gathered over CP (``L_full · T ·
+  2·kv·hd · b`` for one layer at a time) and the Gated DeltaNet's passed state (fp32);
+- ``vision``: the merged image features of the whole row gathered over CP (``T_img · H · b``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from qwen35_trainer.model.build import named_parameters
+from qwen35_trainer.model.shards import local_index
+
+__all__ = ["ROUTING_SKEW", "Memory", "Shape", "memory", "parameter_bytes"]
+
+# Assumed tokens on the busiest EP rank over the mean (routing is not balanced exactly).
+ROUTING_SKEW = 1.5
+LOSS_CHUNK_BYTES = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The sizes the activation formulas need, from the model config and the recipe."""
+
+    tokens: int  # S: tokens of the row(s) on this rank
+    row_tokens: int  # T: tokens of one packed row (all CP ranks)
+    image_tokens: int  # merged vision tokens of the row
+    patches: int  # P: vision patches on this rank
+    compute_bytes: int  # b
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    recompute: int
+    loss: int
+    fsdp_buffers: int
+    cp_buffers: int
+    vision: int
+
+    @property
+    def peak(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    return math.prod(len(r) for r in local_index(param))
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """This rank's parameter shards, in bytes of their storage dtype."""
+    return sum(_local_numel(p) * p.dtype.itemsize for _, _, _, p in named_parameters(model))
+
+
+def _unit_bytes(unit: nn.Module, ep: int, b: int) -> int:
+    """A unit's parameters unsharded by FSDP (experts stay split over EP), in ``b`` bytes."""
+    total = 0
+    for name, p in unit.named_parameters():
+        total += math.prod(p.shape) // (ep if "experts." in name else 1) * b
+    return total
+
+
+def _block_working_set(text, s: int, ep_rows: float, b: int, full: bool) -> int:
+    """Bytes one decoder block keeps while its backward runs (no checkpointing inside)."""
+    h = text.hidden_size
+    if full:
+        q = text.num_attention_heads * text.head_dim
+        kv = text.num_key_value_heads * text.head_dim
+        mixer = (2 * q + 2 * kv + 2 * q + 2 * h) * b + 4 * text.num_attention_heads
+    else:
+        qk = text.linear_num_key_heads * text.linear_key_head_dim
+        v = text.linear_num_value_heads * text.linear_value_head_dim
+        mixer = (2 * (2 * qk + v) + 3 * v + 2 * h) * b + 4 * v
+    k, i = text.num_experts_per_tok, text.moe_intermediate_size
+    routed = ep_rows * k * (2 * h + 3 * i) * b
+    shared = (3 * text.shared_expert_intermediate_size + h) * b + 4 * text.num_experts + 2 * h * b
+    return int(s * (mixer + shared) + s * routed)
+
+
+def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) -> Memory:
+    """This rank's :class:`Memory` (module docstring); ``units``: the FSDP unit modules."""
+    text, vision = model.config.text_config, model.config.vision_config
+    b, s = shape.compute_bytes, shape.tokens
+    params = parameter_bytes(model)
+    tensors = sum(1 for _ in named_parameters(model))
+    h = text.hidden_size
+    layers = text.num_hidden_layers
+    full_layers = sum(t == "full_attention" for t in text.layer_types)
+    vh = vision.hidden_size
+    if checkpointing:
+        saved = layers * s * h * b + vision.depth * shape.patches * vh * b
+    else:
+        saved = sum(_block_working_set(text, s, 1.0, b, t == "full_attention")
+                    for t in text.layer_types)  # fmt: skip
+        saved += vision.depth * shape.patches * (6 * vh + 2 * vision.intermediate_size) * b
+    recompute = max(_block_working_set(text, s, ROUTING_SKEW, b, full) for full in (False, True))
+    loss = s * h * 4 + text.vocab_size * h * 4 + LOSS_CHUNK_BYTES
+    unit = max((_unit_bytes(u, dims.ep, b) for u in units), default=0)
+    covered = {id(p) for u in units for p in u.parameters()}
+    root = sum(math.prod(p.shape) for p in model.parameters() if id(p) not in covered)
+    fsdp = 2 * unit + unit // b * 4 + root * (b + 4)
+    cp = 0
+    if dims.cp > 1:
+        kv = 2 * text.num_key_value_heads * text.head_dim * b
+        state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
+        cp = (shape.row_tokens * kv if full_layers else 0) + 2 * state * 4
+    gathered = shape.image_tokens * h * b if dims.cp > 1 else 0
+    return Memory(params, params, 2 * params + 4 * tensors, saved, recompute, loss, fsdp, cp,
+                  gathered)  # fmt: skip
