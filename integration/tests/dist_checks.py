@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch.distributed as dist
-from helpers import tiny
+from helpers import TINY, tiny
 
 from dist_testkit import assert_close, full
-from qwen35_trainer import train
+from qwen35_trainer import load_recipe, train
 
 STEPS = 3
 GLOBAL_SAMPLES = 4
@@ -106,3 +106,37 @@ def check_materialized_weights(overrides, expected) -> None:
             names.append(name)
             assert torch.equal(full(param).detach(), state[name]), (weights, name)
         assert sorted(names) == sorted(state), weights
+
+
+def measured_state_bytes(overrides) -> dict[str, int]:
+    """After one training step of the tiny layout ``overrides``: this rank's bytes of parameter
+    shards, gradient shards and optimizer state (for the planner's exact counts)."""
+    import torch
+
+    from qwen35_trainer import train
+
+    captured = {}
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def grads_before_step(optimizer, args, kwargs):  # the step clears them afterwards
+        captured["gradients"] = sum(local(p.grad).numel() * p.grad.dtype.itemsize
+                                    for group in optimizer.param_groups for p in group["params"]
+                                    if p.grad is not None)  # fmt: skip
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    hook = register_optimizer_step_pre_hook(grads_before_step)
+    try:
+        result = train(load_recipe(TINY, [*overrides, "train.steps=1"]))
+    finally:
+        hook.remove()
+    params = list(result.objective.parameters())
+    captured["parameters"] = sum(local(p).numel() * p.dtype.itemsize for p in params)
+    optimizer = result.optimizer
+    captured["optimizer"] = sum(local(v).numel() * v.dtype.itemsize
+                                for state in optimizer.state.values() for v in state.values()
+                                if isinstance(v, torch.Tensor))  # fmt: skip
+    captured["rank"] = dist.get_rank()
+    return captured

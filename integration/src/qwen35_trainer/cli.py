@@ -1,4 +1,5 @@
-"""``qwen35-train RECIPE [--set section.key=value ...] [--nproc N]``: train a recipe.
+"""``qwen35-train RECIPE [--set section.key=value ...] [--nproc N]``: train a recipe;
+``qwen35-train plan RECIPE [--world-size N] [--gpu-memory GiB] [--json FILE]``: will it fit?
 
 ``RECIPE`` is a YAML file or the name of a built-in recipe (``tiny``). A recipe that needs N
 ranks, run outside torchrun, starts its N local workers itself through PyTorch's elastic
@@ -44,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qwen35-train",
         description=__doc__.split("\n\n")[0],
-        epilog="Outputs: runs/<recipe>-<time>/ (recipe.yaml, metrics.jsonl, tensorboard/, "
+        epilog="Subcommand: qwen35-train plan RECIPE (memory / communication per GPU on a fake "
+        "world, exit 3 when it does not fit). Outputs: runs/<recipe>-<time>/ (recipe.yaml, metrics.jsonl, tensorboard/, "
         "loss.png, logs/). Built-in recipes: " + ", ".join(builtin_recipes()),
     )
     parser.add_argument("recipe", help="a YAML recipe file, or a built-in recipe's name")
@@ -141,6 +143,10 @@ def _worker_exit(code: int) -> None:
 
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        from qwen35_trainer.plan.command import plan_main
+
+        return plan_main(argv[1:])
     args = _parser().parse_args(argv)
     printing = os.environ.get("RANK", "0") == "0"
 

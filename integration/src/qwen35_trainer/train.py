@@ -88,11 +88,12 @@ class StepLog:
 
 @dataclasses.dataclass
 class TrainResult:
-    """The step logs and the trained objective (its parameters are DTensor shards when
-    distributed)."""
+    """The step logs, the trained objective (its parameters are DTensor shards when
+    distributed) and its optimizer (with this rank's state)."""
 
     logs: list[StepLog]
     objective: TrainingObjective
+    optimizer: torch.optim.Optimizer | None = None
 
 
 def _device() -> torch.device:
@@ -189,7 +190,7 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
             folder.close()
     if spec.export_dir:
         export_hf(objective.model, spec.export_dir)
-    return TrainResult(logs, objective)
+    return TrainResult(logs, objective, optimizer)
 
 
 def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef, device,

@@ -62,7 +62,10 @@ def row_shape(recipe, cp: int) -> Shape:
     merge = vision.get("spatial_merge_size", 2) ** 2
     patches = max(t * h * w for t, h, w in data.image_grids) * data.images_per_sample
     frames = max(t for t, _, _ in data.image_grids) * data.images_per_sample
-    per_doc = data.text_tokens[1] + patches // merge
+    # a synthetic document: a text span before each image and one after, each image framed by
+    # vision start / end tokens (qwen35_trainer.data.sample)
+    images = data.images_per_sample
+    per_doc = (images + 1) * data.text_tokens[1] + patches // merge + 2 * images
     n = data.samples_per_rank
     row = data.pack_length or n * per_doc
     local_frames = math.ceil(n * frames / cp)

@@ -1,0 +1,73 @@
+"""The planner: the 122B recipe on a fake 128-rank world, its verdicts and refusals, and its
+exact byte counts against real runs of the same layouts (gloo, world 4)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import TINY
+
+from dist_testkit import launch
+from qwen35_trainer import load_recipe
+from qwen35_trainer.plan import plan
+from qwen35_trainer.plan.command import plan_main
+
+# world-4 layouts of the tiny recipe: its own (DP 2 x CP 2 with EP 2) and TP 2 x EP 2 in bf16
+SMALL = {
+    "tiny": (),
+    "tp2_ep2_bf16": ("parallel.dp=2", "parallel.cp=1", "parallel.tp=2", "parallel.ep=2",
+                     "train.dtype=bfloat16", "data.samples_per_rank=2"),
+}  # fmt: skip
+
+
+def test_the_122b_recipe_fits_128_gpus_of_80_gib(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert plan_main(["qwen3_5_122b_a10b_128k", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "predicted peak" in table and "fits in 80 GiB" in table
+    result = json.loads(out.read_text())
+    assert result["world"] == 128 and set(result["ranks"]) == {"0", "127"}
+    assert result["layout"] == {"dp_replicate": 1, "dp": 4, "cp": 32, "tp": 1, "ep": 8}
+    assert abs(result["total_parameters"] / 1e9 - 122.56) < 0.01
+    assert abs(result["active_parameters"] / 1e9 - 10.22) < 0.01
+    assert result["fits"] and 0 < result["predicted_peak_gib"] <= 80
+    assert all(v > 0 for v in result["communication_bytes_per_step"].values())
+
+
+def test_a_plan_that_does_not_fit_exits_3(capsys):
+    assert plan_main(["tiny", "--gpu-memory", "0.001"]) == 3
+    assert "does NOT fit in 0.001 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (["--world-size", "5"], "--world-size 5 is not a multiple of parallel.dp_replicate x cp x tp"),
+    (["--set", "parallel.ep=3"], "ep"),
+])  # fmt: skip
+def test_impossible_layouts_are_refused_with_the_reason(args, reason, capsys):
+    assert plan_main(["tiny", *args]) == 2
+    assert reason in capsys.readouterr().err
+
+
+def _measured(overrides):
+    from dist_checks import measured_state_bytes
+
+    return measured_state_bytes(overrides)
+
+
+@pytest.mark.parametrize("layout", SMALL)
+def test_predicted_state_bytes_equal_a_real_run(layout):
+    """Parameters, gradients and optimizer state per rank: the planner's counts (ranks 0 and 3)
+    equal what a real one-step run at world 4 holds, byte for byte."""
+    overrides = SMALL[layout]
+    predicted = plan(load_recipe(TINY, overrides)).ranks
+    outcomes = launch(_measured, 4, overrides, timeout=300)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    measured = {o.value["rank"]: o.value for o in outcomes}
+    for rank, mem in predicted.items():
+        got = measured[rank]
+        assert (mem.parameters, mem.gradients, mem.optimizer) == (
+            got["parameters"],
+            got["gradients"],
+            got["optimizer"],
+        ), (rank, mem, got)
