@@ -109,5 +109,6 @@ def test_torchrun_two_ranks(tmp_path):
 def test_help_names_outputs_and_builtin_recipes(capsys, flag):
     with pytest.raises(SystemExit):
         main([flag])
-    out = capsys.readouterr().out
-    assert "runs/<recipe>-<time>/" in out and "Built-in recipes: tiny" in out
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the epilog
+    assert "runs/<recipe>-<time>/" in out and "qwen35-train plan RECIPE" in out
+    assert "Built-in recipes: qwen3_5_122b_a10b_128k, tiny" in out

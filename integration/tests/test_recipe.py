@@ -6,6 +6,7 @@ import pytest
 from helpers import TINY, tiny
 
 from qwen35_trainer import build_config, load_recipe, recipe_from_dict
+from qwen35_trainer.recipe import builtin_recipes, recipe_path
 
 
 def test_tiny_recipe_loads_with_types():
@@ -98,3 +99,10 @@ def test_model_shapes_that_do_not_fit_are_refused_before_building():
     with pytest.raises(ValueError, match=r"model.weights: '/missing/dir' is not a transformers "
                                          r"checkpoint directory"):  # fmt: skip
         build_config(tiny("model.weights=/missing/dir").model)
+
+
+@pytest.mark.parametrize("name", builtin_recipes())
+def test_every_builtin_recipe_loads_and_its_model_config_builds(name):
+    recipe = load_recipe(recipe_path(name))
+    config = build_config(recipe.model)
+    assert config.text_config.num_hidden_layers >= 2
