@@ -140,3 +140,78 @@ def measured_state_bytes(overrides) -> dict[str, int]:
                                 if isinstance(v, torch.Tensor))  # fmt: skip
     captured["rank"] = dist.get_rank()
     return captured
+
+
+def saved_activation_bytes(overrides) -> dict[str, int]:
+    """Bytes the training objective's forward saves for the backward on this rank (storages
+    counted once; parameters — sharded or FSDP-unsharded at that moment — left out), for the
+    tiny layout ``overrides`` on step 0's batch."""
+    import torch
+
+    from qwen35_trainer import TrainingObjective, build_meta_model, enable_packing, materialize
+    from qwen35_trainer.parallel import parallelize
+    from qwen35_trainer.step import count_valid, micro_batches
+
+    r = load_recipe(TINY, overrides)
+    model = build_meta_model(r.model)
+    enable_packing(model)
+    objective = TrainingObjective(model)
+    device = torch.device("cpu")
+    layout = parallelize(objective, r.parallel, device, packing=True,
+                         activation_checkpointing=r.train.activation_checkpointing)  # fmt: skip
+    materialize(model, device, seed=0)
+    micro = micro_batches(r, model, layout, 0, device)
+    valid = count_valid(micro, layout, device)
+    seen: dict[int, int] = {}
+
+    def storage(t):
+        return getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's local part
+
+    def pack(t):
+        params = {storage(p).data_ptr() for p in objective.parameters()}
+        if storage(t).data_ptr() not in params:
+            seen.setdefault(storage(t).data_ptr(), storage(t).nbytes())
+        return t
+
+    ((batch, packed),) = micro
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        objective(batch, layout.loss_group, packed, num_valid_tokens=valid)
+    return {"rank": dist.get_rank() if dist.is_initialized() else 0,
+            "saved": sum(seen.values())}  # fmt: skip
+
+
+def _status(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def load_peak_rss(overrides, weights: str, window: int) -> dict[str, int]:
+    """This rank's peak RSS increase while ``load_hf_weights`` fills its (allocated, untouched)
+    shards from ``weights``, with the bytes it holds and its largest local slice."""
+    import math
+
+    import torch
+
+    import qwen35_trainer.model.adapter as adapter
+    from qwen35_trainer import TrainingObjective, build_meta_model, load_hf_weights
+    from qwen35_trainer.model.build import _rebuild_buffers
+    from qwen35_trainer.model.shards import local_index
+    from qwen35_trainer.parallel import parallelize
+    from qwen35_trainer.plan.memory import parameter_bytes
+
+    adapter.MAPPED_WINDOW_BYTES = window
+    r = load_recipe(TINY, overrides)
+    model = build_meta_model(r.model)
+    parallelize(TrainingObjective(model), r.parallel, torch.device("cpu"))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        _rebuild_buffers(model)
+    largest = max(math.prod(len(i) for i in local_index(p)) * 4 for p in model.parameters())
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak (VmHWM) to the current RSS
+    load_hf_weights(model, weights)
+    return {"rank": dist.get_rank(), "increase": _status("VmHWM") - before,
+            "shards": parameter_bytes(model), "largest_slice": largest}  # fmt: skip

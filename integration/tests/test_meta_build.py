@@ -15,10 +15,12 @@ import pytest
 import torch
 import transformers
 from dist_checks import check_materialized_weights, layout_recipe
+from helpers import TINY
 from safetensors.torch import save_file
 
+from dist_testkit import launch as launch_ranks
 from dist_testkit import named_check, run_checks
-from qwen35_trainer import build_config, build_model, export_hf
+from qwen35_trainer import build_config, build_model, export_hf, load_recipe
 
 LAYOUTS = {
     "ep2_fsdp": ("parallel.dp=4", "parallel.ep=2"),
@@ -72,3 +74,33 @@ def test_the_checkpoints_hold_both_expert_layouts(expected):
     assert not any(k.endswith("experts.gate_up_proj") for k in per_expert)
     assert any(k.endswith("experts.gate_up_proj") for k in stacked)
     assert any(k.startswith("mtp.") for k in per_expert)
+
+
+# a tiny model made wide enough that its weights (about 140 MB) dwarf the allocator's noise
+WIDE = ("model.text.hidden_size=256", "model.vision.out_hidden_size=256",
+        "model.text.num_experts=32", "model.text.moe_intermediate_size=256",
+        "model.text.vocab_size=4096")  # fmt: skip
+WINDOW = 4 << 20
+
+
+def _load_peak(overrides, weights, window):
+    from dist_checks import load_peak_rss
+
+    return load_peak_rss(overrides, weights, window)
+
+
+def test_loading_holds_the_shards_plus_one_slice(tmp_path):
+    """Peak RSS of each rank while a checkpoint is read into its EP 2 + FSDP shards (world 2):
+    at most its shards + the mapped window + its largest local slice + 4 MiB (measured here:
+    57 MiB for 54 MiB of shards of a 107 MiB model; reading each whole tensor and slicing it
+    peaks at 78-86 MiB and fails)."""
+    overrides = ("parallel.dp=2", "parallel.cp=1", "parallel.ep=2", *WIDE)
+    export_hf(build_model(load_recipe(TINY, overrides).model), tmp_path)
+    outcomes = launch_ranks(_load_peak, 2, overrides, str(tmp_path), WINDOW, timeout=300,
+                      env={"MALLOC_MMAP_THRESHOLD_": "131072"})  # fmt: skip
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    for o in outcomes:
+        got = o.value
+        bound = got["shards"] + WINDOW + got["largest_slice"] + (4 << 20)
+        assert got["increase"] <= bound, got
+        assert got["shards"] > 50e6, got  # the weights are what is measured

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import TINY
+from helpers import ONE_PROCESS, TINY
 
 from dist_testkit import launch
 from qwen35_trainer import load_recipe
 from qwen35_trainer.plan import plan
 from qwen35_trainer.plan.command import plan_main
+from qwen35_trainer.plan.memory import LOSS_CHUNK_BYTES
 
 # world-4 layouts of the tiny recipe: its own (DP 2 x CP 2 with EP 2) and TP 2 x EP 2 in bf16
 SMALL = {
@@ -71,3 +72,35 @@ def test_predicted_state_bytes_equal_a_real_run(layout):
             got["gradients"],
             got["optimizer"],
         ), (rank, mem, got)
+
+
+# fixed-size documents (2 x 24 text tokens around one 8 x 8 image), so the planner's largest row
+# is the row; checkpointing on, as in the large recipe
+FIXED = ("data.text_tokens=[24, 24]", "data.image_grids=[[1, 8, 8]]",
+         "train.activation_checkpointing=true")  # fmt: skip
+
+
+def _saved(overrides):
+    from dist_checks import saved_activation_bytes
+
+    return saved_activation_bytes(overrides)
+
+
+@pytest.mark.parametrize(("layout", "world"), [(ONE_PROCESS, 1), ((), 4)],
+                         ids=["one_process", "dp2_cp2_ep2"])  # fmt: skip
+def test_predicted_saved_activations_are_within_20_percent(layout, world):
+    """The forward's saved tensors (saved_tensors_hooks, storages once, parameters excluded)
+    against the planner's activations plus the loss's saved fp32 gradients (its ``loss`` line
+    without the one-chunk working set)."""
+    overrides = (*layout, *FIXED)
+    predicted = plan(load_recipe(TINY, overrides)).ranks
+    if world == 1:
+        measured = {0: _saved(overrides)}
+    else:
+        outcomes = launch(_saved, world, overrides, timeout=300)
+        assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+        measured = {o.value["rank"]: o.value for o in outcomes}
+    for rank, mem in predicted.items():
+        expected = mem.activations + mem.loss - LOSS_CHUNK_BYTES
+        got = measured[rank]["saved"]
+        assert abs(expected - got) <= 0.2 * got, (rank, expected, got)

@@ -37,12 +37,19 @@ _STACKED = re.compile(r"^(?P<base>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)
 RowReader = Callable[[int, int], torch.Tensor]
 
 
+# Bytes read through one open file before it is closed and reopened: safetensors maps the file
+# into memory, and the pages read stay in this process's RSS until the mapping goes.
+MAPPED_WINDOW_BYTES = 1 << 30
+
+
 class CheckpointFiles:
     """The tensors of a checkpoint directory's ``*.safetensors`` files (the index, when there
-    is one, says which file holds which tensor)."""
+    is one, says which file holds which tensor). At most ``window_bytes`` read from a file stay
+    mapped: then it is reopened, so host memory holds the shards read plus one window."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, window_bytes: int | None = None) -> None:
         self.path = Path(path)
+        self.window_bytes = MAPPED_WINDOW_BYTES if window_bytes is None else window_bytes
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -51,24 +58,39 @@ class CheckpointFiles:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"model.weights: no *.safetensors file in {self.path}")
-        from safetensors import safe_open
-
-        self._handles = {}
+        self._handles: dict[str, object] = {}
+        self._read: dict[str, int] = {}
         self.where: dict[str, str] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
         for name in files:
             if not (self.path / name).is_file():
                 raise ValueError(f"model.weights: {index} names {name}, which is not there")
-            handle = safe_open(str(self.path / name), framework="pt")
-            self._handles[name] = handle
+            handle = self._open(name)
             for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 self.where[key] = name
+                self._shapes[key] = tuple(handle.get_slice(key).get_shape())
+            self._handles.pop(name)
+
+    def _open(self, name: str):
+        from safetensors import safe_open
+
+        if name not in self._handles:
+            self._handles[name] = safe_open(str(self.path / name), framework="pt")
+            self._read[name] = 0
+        return self._handles[name]
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.where[key]].get_slice(key).get_shape())
+        return self._shapes[key]
 
     def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``lo:hi`` of tensor ``key`` (dim 0), as stored."""
-        return self._handles[self.where[key]].get_slice(key)[lo:hi]
+        """Rows ``lo:hi`` of tensor ``key`` (dim 0), as stored: a view of the file's mapping,
+        which stays valid (mapped) while the view lives, even after the file is reopened."""
+        name = self.where[key]
+        rows = self._open(name).get_slice(key)[lo:hi]
+        self._read[name] += rows.numel() * rows.element_size()
+        if self._read[name] >= self.window_bytes:
+            del self._handles[name]  # unmaps the pages read so far
+        return rows
 
 
 class StateDictAdapter:

@@ -11,9 +11,12 @@ Modelled (the formulas are stated where they are computed; ``b`` = compute bytes
 ``S`` = tokens on this rank = ``pack_length / cp``; the tests compare the saved activations
 with a real run's saved tensors):
 
-- ``activations``: with activation checkpointing each decoder block saves its input
-  ``S·H·b`` and each vision block ``P·Hv·b`` (``P`` = this rank's patches under frame
-  sharding); without it, the block's working set below is kept for every block;
+- ``activations``: what the forward saves for the backward. With activation checkpointing
+  (:func:`_saved_with_checkpointing`): each decoder block's input ``S·H·b``, each vision
+  block's ``P·Hv·b`` (``P`` = this rank's patches under frame sharding), and the tensors
+  outside the blocks; a test compares it with a real forward's saved tensors (one process and
+  CP 2 at world 4). Without checkpointing: every block's working set below (an estimate, not
+  validated: the Gated DeltaNet's chunked kernel saves per-chunk matrices it does not model);
 - ``recompute``: the working set of ONE decoder block rebuilt in the backward: the mixer's
   projections, the MoE's routed rows (``k·S`` rows times the ``ROUTING_SKEW`` factor for the
   busiest EP rank) and the shared expert;
@@ -107,6 +110,22 @@ def _block_working_set(text, s: int, ep_rows: float, b: int, full: bool) -> int:
     return int(s * (mixer + shared) + s * routed)
 
 
+def _saved_with_checkpointing(text, vision, shape: Shape) -> int:
+    """Bytes saved for the backward at the end of the forward when every decoder and vision
+    block is checkpointed (the loss's own fp32 gradients are the ``loss`` line): each block's
+    input; the final RMSNorm's fp32 input and normalised output; the router logits of every
+    layer kept (fp32) for the aux loss; the vision patch embedding's input pixels and the
+    bilinear position-table indices / weights (4 int64 per patch); the merger's LayerNorm input,
+    fc1 input, activation input and fc2 input (each ``P·Hv`` elements)."""
+    b, s, p = shape.compute_bytes, shape.tokens, shape.patches
+    h, vh = text.hidden_size, vision.hidden_size
+    pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    decoder = text.num_hidden_layers * s * h * b + 2 * s * h * 4
+    router = text.num_hidden_layers * s * text.num_experts * 4
+    tower = vision.depth * p * vh * b + p * pixels * b + p * 32 + 4 * p * vh * b
+    return decoder + router + tower
+
+
 def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) -> Memory:
     """This rank's :class:`Memory` (module docstring); ``units``: the FSDP unit modules."""
     text, vision = model.config.text_config, model.config.vision_config
@@ -118,7 +137,7 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
     full_layers = sum(t == "full_attention" for t in text.layer_types)
     vh = vision.hidden_size
     if checkpointing:
-        saved = layers * s * h * b + vision.depth * shape.patches * vh * b
+        saved = _saved_with_checkpointing(text, vision, shape)
     else:
         saved = sum(_block_working_set(text, s, 1.0, b, t == "full_attention")
                     for t in text.layer_types)  # fmt: skip
