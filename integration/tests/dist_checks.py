@@ -181,9 +181,10 @@ def saved_activation_bytes(overrides) -> dict[str, int]:
 
 
 def _status(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     raise KeyError(field)
 
 

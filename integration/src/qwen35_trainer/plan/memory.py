@@ -133,7 +133,6 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
     params = parameter_bytes(model)
     tensors = sum(1 for _ in named_parameters(model))
     h = text.hidden_size
-    layers = text.num_hidden_layers
     full_layers = sum(t == "full_attention" for t in text.layer_types)
     vh = vision.hidden_size
     if checkpointing:
