@@ -14,13 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from dist_checks import check_materialized_weights, layout_recipe
+from dist_checks import (
+    check_materialized_weights,
+    check_training_equals_one_process,
+    layout_recipe,
+)
 from helpers import TINY
 from safetensors.torch import save_file
 
 from dist_testkit import launch as launch_ranks
 from dist_testkit import named_check, run_checks
-from qwen35_trainer import build_config, build_model, export_hf, load_recipe
+from qwen35_trainer import build_config, build_model, export_hf, load_recipe, train
 
 LAYOUTS = {
     "ep2_fsdp": ("parallel.dp=4", "parallel.ep=2"),
@@ -52,10 +56,29 @@ def expected(tmp_path_factory):
             str(per_expert): _state(hf), str(stacked): _state(hf)}  # fmt: skip
 
 
+# layouts that also train STEPS steps from the per-expert checkpoint against one process
+TRAINED_FROM_CHECKPOINT = ("cp2_ep2", "tp2")
+
+
 @pytest.fixture(scope="module")
-def launch(expected):
+def from_checkpoint(expected):
+    """The one-process run from the per-expert checkpoint: its step logs and final weights."""
+    per_expert = [p for p in expected if p is not None][0]
+    result = train(layout_recipe(1, f"model.weights={per_expert}", "data.packing=true"))
+    return per_expert, result.logs, _state(result.objective.model)
+
+
+@pytest.fixture(scope="module")
+def launch(expected, from_checkpoint):
     checks = {name: named_check(name, check_materialized_weights, overrides, expected)
               for name, overrides in LAYOUTS.items()}  # fmt: skip
+    weights, logs, state = from_checkpoint
+    for name in TRAINED_FROM_CHECKPOINT:
+        checks[f"{name}_trained"] = named_check(
+            f"{name}_trained", check_training_equals_one_process,
+            # the global batch of one process: each of the 2 data groups takes 2 rows
+            (*LAYOUTS[name], "data.samples_per_rank=2", f"model.weights={weights}"), logs,
+            state)  # fmt: skip
     return checks, run_checks(list(checks.values()), 4, timeout=600)
 
 
@@ -63,6 +86,14 @@ def launch(expected):
 def test_meta_build_materialises_the_one_process_weights(launch, layout):
     checks, report = launch
     report.assert_passed(checks[layout])
+
+
+@pytest.mark.parametrize("layout", TRAINED_FROM_CHECKPOINT)
+def test_a_layout_started_from_a_checkpoint_trains_as_one_process(launch, layout):
+    """Per step loss, CE, aux and gradient norm, then the final weights, against one process
+    started from the same transformers checkpoint."""
+    checks, report = launch
+    report.assert_passed(checks[f"{layout}_trained"])
 
 
 def test_the_checkpoints_hold_both_expert_layouts(expected):

@@ -164,6 +164,11 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
     spec = recipe.train
     optimizer = build_optimizer(objective.parameters(), optimizer_name(spec.optimizer), lr=spec.lr,
                                 betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)  # fmt: skip
+    if spec.prewarm:
+        from setup_prewarm import prewarm
+
+        report = prewarm(objective, device=device)
+        logger.info("prewarm:\n%s", report.table())
     rank = dist.get_rank() if dist.is_initialized() else 0
     folder = RunFolder(spec.output_dir, recipe, rank) if spec.output_dir else None
     checkpoints = spec.checkpoint_dir
