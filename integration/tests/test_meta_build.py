@@ -63,7 +63,7 @@ TRAINED_FROM_CHECKPOINT = ("cp2_ep2", "tp2")
 @pytest.fixture(scope="module")
 def from_checkpoint(expected):
     """The one-process run from the per-expert checkpoint: its step logs and final weights."""
-    per_expert = [p for p in expected if p is not None][0]
+    per_expert = next(p for p in expected if p is not None)
     result = train(layout_recipe(1, f"model.weights={per_expert}", "data.packing=true"))
     return per_expert, result.logs, _state(result.objective.model)
 
