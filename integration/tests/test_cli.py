@@ -112,3 +112,20 @@ def test_help_names_outputs_and_builtin_recipes(capsys, flag):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the epilog
     assert "runs/<recipe>-<time>/" in out and "qwen35-train plan RECIPE" in out
     assert "Built-in recipes: qwen3_5_122b_a10b_128k, tiny" in out
+
+
+def test_a_worker_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    import qwen35_trainer.cli as cli
+
+    def killed(config, entrypoint):
+        def run(*args):
+            failure = ProcessFailure(local_rank=1, pid=123, exitcode=-9, error_file="/nonexistent")
+            raise ChildFailedError("qwen35_trainer.cli", {1: failure})
+
+        return run
+
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", killed)
+    assert cli._launch(["tiny"], 2, 0) == 137
+    assert "worker rank 1 was killed by signal 9" in capsys.readouterr().err

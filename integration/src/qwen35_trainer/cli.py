@@ -107,14 +107,22 @@ def _launch(argv: list[str], nproc: int, max_restarts: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # the workers say why they stop (rank 0's message); the process supervisor's own lines
+    # ("failed (exitcode: N)", "Sending process ... closing signal") only repeat it. Restart
+    # notices come from the agent's logger and stay.
+    logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0",
                           max_restarts=max_restarts)  # fmt: skip
     try:
         elastic_launch(config, sys.executable)("-m", "qwen35_trainer.cli", *argv)
     except ChildFailedError as failed:  # the first worker to fail says why (others follow)
-        code = failed.get_first_failure()[1].exitcode
-        return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+        rank, failure = failed.get_first_failure()
+        if failure.exitcode < 0:  # killed by a signal: nobody else says so
+            print(f"qwen35-train: worker rank {rank} was killed by signal {-failure.exitcode}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return 128 - failure.exitcode  # the shell's convention
+        return failure.exitcode
     return 0
 
 

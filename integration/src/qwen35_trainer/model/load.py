@@ -54,10 +54,12 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
         skipped, unexpected = adapter.unused()
         problems += [f"{key}: on disk, not in the model" for key in unexpected]
     if _agree(bool(problems), device):
+        if adapter is None:
+            raise ValueError(problems[0])
         where = "; ".join(problems[:20]) if problems else "(found by another rank)"
         more = f" ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise ValueError(f"checkpoint {path} does not fit the recipe's model "
-                         f"({len(problems)} problems here): {where}{more}")  # fmt: skip
+                         f"({len(problems)} tensor(s) on this rank): {where}{more}")  # fmt: skip
     if skipped:
         logger.info("checkpoint %s: skipped %d multi-token-prediction tensors (mtp.*)", path,
                     len(skipped))  # fmt: skip
