@@ -57,3 +57,25 @@ def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):
     )
     with pytest.raises(ValueError, match=r"does not fit the recipe.s model .* expected"):
         build_model(tiny(f"model.weights={tmp_path}").model)
+
+
+def test_export_command_writes_a_training_checkpoint_for_transformers(tmp_path, capsys):
+    """``qwen35-train export``: a DCP checkpoint of a run (weights + optimizer) becomes a
+    transformers directory holding the run's final weights."""
+    from qwen35_trainer.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    result = train(tiny("train.steps=2", f"train.checkpoint_dir={ckpt}"))
+    out = tmp_path / "hf"
+    assert main(["export", "tiny", str(ckpt), str(out)]) == 0
+    assert f"exported step 2 of {ckpt / 'step_000002'}" in capsys.readouterr().out
+    loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(out)
+    trained = result.objective.model.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+
+
+def test_export_command_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
+    from qwen35_trainer.cli import main
+
+    assert main(["export", "tiny", str(tmp_path), str(tmp_path / "hf")]) == 2
+    assert "neither a checkpoint nor a directory holding a complete one" in capsys.readouterr().err

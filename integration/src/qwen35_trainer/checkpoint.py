@@ -39,13 +39,19 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 __all__ = [
     "METADATA_GLOBALS",
     "UnsafeCheckpointError",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_model_weights",
     "save_checkpoint",
 ]
 
@@ -188,23 +194,39 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Restore ``model`` and ``optimizer`` in place from ``path``; returns the finished steps."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
+def _read(path: str | Path, state: dict, what: str, *, partial: bool = False) -> None:
+    """``state`` filled in place from the DCP checkpoint at ``path`` (checked first: safe
+    metadata, weights-only items); ``partial``: only the items ``state`` names."""
     _SafeReader(str(path)).read_metadata()  # refuses a crafted file before DCP wraps the error
     try:
         with _one_process_is_intended():
-            dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafePlanner(),
+            dcp.load(state, storage_reader=_SafeReader(str(path)),
+                     planner=_SafePlanner(allow_partial_load=partial),
                      no_dist=not dist.is_initialized())  # fmt: skip
     except (Exception, CheckpointException) as err:  # DCP's wraps each rank's failure
         reason = str(err).strip().splitlines()[-1]  # the wrapped error's own line
         if _UNSAFE_ITEM in str(err):
             raise UnsafeCheckpointError(f"{path}: {reason}") from err
         raise ValueError(
-            f"checkpoint {path} cannot be loaded into this model and optimizer (a checkpoint of "
-            f"another model shape or optimizer?): {reason}"
+            f"checkpoint {path} cannot be loaded into this {what} (a checkpoint of another "
+            f"model shape or optimizer?): {reason}"
         ) from err
+
+
+def load_model_weights(path: str | Path, model: nn.Module) -> int:
+    """Restore only ``model``'s weights from the checkpoint at ``path`` (any layout: DCP
+    re-shards); returns its finished steps."""
+    state = {"model": get_model_state_dict(model), "step": torch.tensor(0)}
+    _read(path, state, "model", partial=True)
+    set_model_state_dict(model, state["model"])
+    return int(state["step"])
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Restore ``model`` and ``optimizer`` in place from ``path``; returns the finished steps."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
+    _read(path, state, "model and optimizer")
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

@@ -1,5 +1,6 @@
 """``qwen35-train RECIPE [--set section.key=value ...] [--nproc N]``: train a recipe;
 ``qwen35-train plan RECIPE [--world-size N] [--gpu-memory GiB] [--json FILE]``: will it fit?
+``qwen35-train export RECIPE CHECKPOINT OUT``: a training checkpoint as a transformers directory.
 
 ``RECIPE`` is a YAML file or the name of a built-in recipe (``tiny``). A recipe that needs N
 ranks, run outside torchrun, starts its N local workers itself through PyTorch's elastic
@@ -45,8 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qwen35-train",
         description=__doc__.split("\n\n")[0],
-        epilog="Subcommand: qwen35-train plan RECIPE (memory / communication per GPU on a fake "
-        "world, exit 3 when it does not fit). Outputs: runs/<recipe>-<time>/ (recipe.yaml, metrics.jsonl, tensorboard/, "
+        epilog="Subcommands: qwen35-train plan RECIPE (memory / communication per GPU on a fake "
+        "world, exit 3 when it does not fit); qwen35-train export RECIPE CHECKPOINT OUT (a "
+        "training checkpoint as a transformers directory). Outputs: runs/<recipe>-<time>/ (recipe.yaml, metrics.jsonl, tensorboard/, "
         "loss.png, logs/). Built-in recipes: " + ", ".join(builtin_recipes()),
     )
     parser.add_argument("recipe", help="a YAML recipe file, or a built-in recipe's name")
@@ -155,6 +157,10 @@ def _main(argv: list[str] | None) -> int:
         from qwen35_trainer.plan.command import plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["export"]:
+        from qwen35_trainer.export_command import export_main
+
+        return export_main(argv[1:])
     args = _parser().parse_args(argv)
     printing = os.environ.get("RANK", "0") == "0"
 
