@@ -9,8 +9,8 @@ with activation checkpointing of decoder and vision blocks and packed rows (the 
 right-padded); CP = world (one packed row split over every rank by its balanced document
 layout) with activation checkpointing; DP x CP 2 with the experts split over the CP ranks;
 DP x TP 2 (attention heads and shared expert split) on packed rows. Resume: a run stopped after one
-step (DCP checkpoint) and started again continues exactly, under the same layout and in one
-process.
+step (DCP checkpoint, written synchronously or in the background) and started again continues
+exactly, under the same layout and in one process.
 """
 
 from __future__ import annotations
@@ -155,10 +155,17 @@ def launch(request, references, tmp_path_factory):
         str(saved),
         *references["base"],
     )
+    checks["resume_async"] = named_check(
+        f"resume_async@{world}",
+        check_resume_equals_uninterrupted,
+        ("parallel.ep=2", "train.async_checkpoint=true"),
+        str(tmp_path_factory.mktemp(f"async_ckpt_world{world}")),
+        *references["base"],
+    )
     return checks, run_checks(list(checks.values()), world, timeout=900), saved, exported
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "resume"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "resume", "resume_async"])
 def test_layout_equals_one_process(launch, layout):
     checks, report, _, _ = launch
     if layout not in checks:

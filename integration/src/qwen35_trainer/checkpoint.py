@@ -9,7 +9,8 @@ Atomic: every rank writes into ``step_<NNNNNN>.partial``; after all ranks finish
 rank 0 renames it to ``step_<NNNNNN>``, and only such names with DCP's ``.metadata`` count. A
 crash mid-save leaves a ``.partial`` directory that is ignored (and replaced by the next save of
 that step), so the previous checkpoint stays the newest loadable one. ``keep`` > 0 deletes all
-but the newest ``keep`` complete checkpoints after each save.
+but the newest ``keep`` complete checkpoints after each save. :class:`AsyncCheckpointer` writes
+in the background and completes each checkpoint the same way, later.
 
 Loading runs no foreign code: DCP's ``.metadata`` is a pickle and its non-tensor items are
 ``torch.load`` ed with ``weights_only=False``. Here the metadata is read by an unpickler that
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 __all__ = [
     "METADATA_GLOBALS",
+    "AsyncCheckpointer",
     "UnsafeCheckpointError",
     "latest_checkpoint",
     "load_checkpoint",
@@ -156,6 +158,40 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _begin(checkpoint_dir: str | Path, step: int) -> tuple[Path, Path, Path]:
+    """``(root, final path, .partial path)`` of the checkpoint after ``step``, a stale
+    ``.partial`` removed; every rank returns once it is gone."""
+    root = Path(checkpoint_dir)
+    path = root / f"step_{step:06d}"
+    partial = root / f"{path.name}.partial"
+    if (not dist.is_initialized() or dist.get_rank() == 0) and partial.exists():
+        shutil.rmtree(partial)  # left by a crash mid-save
+    _barrier()
+    return root, path, partial
+
+
+def _finish(root: Path, path: Path, partial: Path, keep: int, files: dict[str, str] | None):
+    """After every rank wrote its shards into ``partial``: rank 0 adds ``files``, renames it to
+    ``path`` and prunes to the newest ``keep``; every rank returns once that is done."""
+    _barrier()  # every rank's shards are written
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for name, text in (files or {}).items():
+            (partial / name).write_text(text)
+        if path.exists():
+            shutil.rmtree(path)
+        partial.rename(path)
+        if keep > 0:
+            done = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
+            for old in done[:-keep]:
+                shutil.rmtree(old)
+    _barrier()  # every rank sees the checkpoint before it goes on
+
+
+def _state(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state, "step": torch.tensor(step)}
+
+
 def save_checkpoint(
     checkpoint_dir: str | Path,
     step: int,
@@ -168,30 +204,49 @@ def save_checkpoint(
     """Write the state after ``step`` finished steps (every rank calls this); atomic, see the
     module docstring. ``keep`` > 0: keep only the newest ``keep`` checkpoints. ``files``: text
     files rank 0 adds to the checkpoint (e.g. the resolved recipe), name -> content."""
-    root = Path(checkpoint_dir)
-    path = root / f"step_{step:06d}"
-    partial = root / f"{path.name}.partial"
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0 and partial.exists():  # left by a crash mid-save
-        shutil.rmtree(partial)
-    _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(step)}
+    root, path, partial = _begin(checkpoint_dir, step)
     with _one_process_is_intended():
-        dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
-    _barrier()  # every rank's shards are written
-    if rank0:
-        for name, text in (files or {}).items():
-            (partial / name).write_text(text)
-        if path.exists():
-            shutil.rmtree(path)
-        partial.rename(path)
-        if keep > 0:
-            done = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
-            for old in done[:-keep]:
-                shutil.rmtree(old)
-    _barrier()  # every rank sees the checkpoint before it goes on
+        dcp.save(_state(step, model, optimizer), checkpoint_id=str(partial),
+                 no_dist=not dist.is_initialized())  # fmt: skip
+    _finish(root, path, partial, keep, files)
     return path
+
+
+class AsyncCheckpointer:
+    """:func:`save_checkpoint` with the writing in a background thread: ``save`` copies the
+    state to host memory (DCP's stager) and returns, so training goes on while the shards are
+    written; the checkpoint is completed (the same rename as the synchronous save, so it is
+    just as atomic) by the next ``save`` or by :meth:`wait`, which every rank must call before
+    the run ends. Its collectives run on a gloo group of its own, never concurrently with the
+    training's on the default group."""
+
+    def __init__(self) -> None:
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self._group = dist.new_group(backend="gloo") if distributed else None
+        self._pending = None
+        if not dist.is_initialized():  # the writer thread repeats DCP's one-process notice
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+
+    def save(self, checkpoint_dir: str | Path, step: int, model: nn.Module,
+             optimizer: torch.optim.Optimizer, *, keep: int = 0,
+             files: dict[str, str] | None = None) -> Path:  # fmt: skip
+        self.wait()
+        root, path, partial = _begin(checkpoint_dir, step)
+        with _one_process_is_intended():
+            future = dcp.async_save(_state(step, model, optimizer), checkpoint_id=str(partial),
+                                    process_group=self._group,
+                                    no_dist=not dist.is_initialized())  # fmt: skip
+        self._pending = (future, root, path, partial, keep, files)
+        return path
+
+    def wait(self) -> None:
+        """Complete the checkpoint being written, if any (every rank)."""
+        if self._pending is None:
+            return
+        future, *rest = self._pending
+        self._pending = None
+        future.result()
+        _finish(*rest)
 
 
 def _read(path: str | Path, state: dict, what: str, *, partial: bool = False) -> None:

@@ -115,7 +115,9 @@ class TrainRecipe:
     ``linear`` or ``cosine`` decay of the learning rate from ``lr`` after ``warmup_steps``
     linear warmup steps down to ``lr_floor * lr`` (:mod:`qwen35_trainer.schedule`).
     ``keep_checkpoints``: keep only the newest that many (0: all). ``eval_every``: every that
-    many steps (and after the last), the loss on ``eval_steps`` held-out global batches. ``prewarm``: before the first step, initialise cuBLAS, the communicators of every mesh and
+    many steps (and after the last), the loss on ``eval_steps`` held-out global batches. ``async_checkpoint``: write checkpoints in the background (the state is copied to host
+    memory, the next save or the end of the run completes it; :class:`qwen35_trainer.checkpoint.
+    AsyncCheckpointer`). ``prewarm``: before the first step, initialise cuBLAS, the communicators of every mesh and
     fla's kernels (:func:`setup_prewarm.prewarm`, best-effort; its report is logged).
     ``output_dir``: the run folder (resolved recipe, ``metrics.jsonl``, TensorBoard events,
     ``loss.png``, per-rank logs; :mod:`qwen35_trainer.run_folder`); ``None`` writes none."""
@@ -145,6 +147,7 @@ class TrainRecipe:
     eval_every: int = 0
     eval_steps: int = 1
     prewarm: bool = False
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas

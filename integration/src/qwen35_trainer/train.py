@@ -39,7 +39,12 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from qwen35_trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from qwen35_trainer.checkpoint import (
+    AsyncCheckpointer,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from qwen35_trainer.model import build_meta_model, export_hf, materialize
 from qwen35_trainer.objective import TrainingObjective
 from qwen35_trainer.packing import enable_packing
@@ -201,8 +206,11 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
 def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef, device,
           on_step, logs, stop) -> None:  # fmt: skip
     """Steps ``start`` .. ``train.steps``; checkpoints as the recipe asks; stops (saving) after
-    a step when any rank got a preemption signal."""
+    a step when any rank got a preemption signal. With ``train.async_checkpoint`` a
+    checkpoint is completed by the next one, or before the loop returns or stops."""
     spec, model = recipe.train, objective.model
+    writer = AsyncCheckpointer() if checkpoints and spec.async_checkpoint else None
+    save = save_checkpoint if writer is None else writer.save
     for step in range(start, spec.steps):
         began = time.perf_counter()
         lr = lr_at(step, spec)
@@ -230,12 +238,16 @@ def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef
         stopping = stop.agreed(device)
         due = step + 1 == spec.steps or (every and (step + 1) % every == 0)
         if checkpoints and (due or stopping):
-            save_checkpoint(checkpoints, step + 1, objective, optimizer, keep=spec.keep_checkpoints,
-                            files={"recipe.yaml": resolved_recipe(recipe)})  # fmt: skip
+            save(checkpoints, step + 1, objective, optimizer, keep=spec.keep_checkpoints,
+                 files={"recipe.yaml": resolved_recipe(recipe)})  # fmt: skip
+        if stopping and writer is not None:
+            writer.wait()
         if stopping:
             where = f"{checkpoints}/step_{step + 1:06d}" if checkpoints else None
             logger.info("stopping on a signal after step %d (saved: %s)", step + 1, where)
             raise Preempted(step + 1, where)
+    if writer is not None:
+        writer.wait()
 
 
 # Recipe values that may change between a checkpoint and its resumption (re-applied from the
