@@ -24,7 +24,7 @@ __all__ = ["METRIC_FIELDS", "RunFolder", "resolved_recipe"]
 METRIC_FIELDS = (
     "step", "loss", "ce", "aux", "grad_norm", "lr", "tokens", "tokens_per_s", "step_seconds",
     "data_seconds", "peak_memory_mib", "expert_load_max_over_mean", "experts_idle",
-    "cp_imbalance", "eval_loss",
+    "cp_imbalance", "eval_loss", "mfu",
 )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ same ranks.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import resource
 import time
 from typing import Any
@@ -21,10 +22,18 @@ import torch.distributed as dist
 
 from fsdp_compat import clip_grad_norm
 from qwen35_trainer.data import HELD_OUT_INDEX, IGNORE_INDEX, collate, rank_samples
+from qwen35_trainer.flops import training_flops
 from qwen35_trainer.packing import PackedInputs, pack, row_layout
 from qwen35_trainer.parallel import Layout
 
-__all__ = ["StepResult", "evaluate", "micro_batches", "peak_memory_mib", "train_step"]
+__all__ = [
+    "StepResult",
+    "evaluate",
+    "micro_batches",
+    "micro_flops",
+    "peak_memory_mib",
+    "train_step",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +47,7 @@ class StepResult:
     expert_load_max_over_mean: float
     experts_idle: int
     cp_imbalance: float
+    flops: float = 0.0
 
 
 def micro_batches(recipe: Any, model, layout: Layout, step: int, device: torch.device, *,
@@ -81,6 +91,21 @@ def count_valid(micro, layout: Layout, device: torch.device) -> int:
     return int(_all_reduce(torch.tensor([local], device=device), layout)) // layout.cp
 
 
+def micro_flops(config, micro, layout: Layout) -> float:
+    """This rank's share of the step's model FLOPs (:func:`qwen35_trainer.flops.
+    training_flops`): its rows' documents (a packed row's padding run included: it is
+    computed) and images; CP ranks share one row, so each counts 1/cp of it."""
+    total = 0.0
+    for batch, packed in micro:
+        if packed is not None:
+            cu = packed.layout.cu_seqlens
+            docs = [b - a for a, b in itertools.pairwise(cu)]
+        else:
+            docs = batch.attention_mask.sum(dim=1).tolist()
+        total += training_flops(config, docs, batch.image_grid_thw.tolist())
+    return total / layout.cp
+
+
 def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
                grad_clip: float | None, device: torch.device) -> StepResult:  # fmt: skip
     """Forward and backward of every micro-batch, clip, optimizer step, zero the gradients."""
@@ -97,7 +122,9 @@ def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
     grad_norm = clip_grad_norm(objective.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    totals = _all_reduce(torch.stack([ce, aux]).float(), layout)
+    flops = micro_flops(objective.model.config, micro, layout)
+    totals = _all_reduce(torch.stack([ce, aux, torch.tensor(flops, device=device)]).double(),
+                         layout)  # fmt: skip
     load = _all_reduce(load, layout).float()  # [layers, experts] tokens routed
     mean = load.mean(dim=1).clamp(min=1e-9)
     cp_imbalance = max(p.layout.compute_imbalance for _, p in micro) if micro[0][1] else 1.0
@@ -109,6 +136,7 @@ def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
         expert_load_max_over_mean=float((load.max(dim=1).values / mean).max()),
         experts_idle=int((load == 0).sum()),
         cp_imbalance=float(cp_imbalance),
+        flops=float(totals[2]),
     )
 
 

@@ -45,6 +45,7 @@ from qwen35_trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from qwen35_trainer.flops import peak_flops
 from qwen35_trainer.model import build_meta_model, export_hf, materialize
 from qwen35_trainer.objective import TrainingObjective
 from qwen35_trainer.packing import enable_packing
@@ -66,7 +67,9 @@ class StepLog:
     """What one optimizer step did (global numbers, equal on every rank). ``seconds``: the
     step's wall time, ``data_seconds`` of it spent building its batches; ``peak_memory_mib``:
     this rank's peak so far (CUDA allocator, or RSS on CPU); the expert load is over every
-    layer's routed assignments of the step's row tokens (padding included)."""
+    layer's routed assignments of the step's row tokens (padding included); ``mfu``: the step's
+    model FLOPs (:mod:`qwen35_trainer.flops`) over its time and every rank's peak FLOP/s
+    (``None`` where the peak is unknown, e.g. on CPU)."""
 
     step: int
     loss: float
@@ -82,6 +85,7 @@ class StepLog:
     expert_load_max_over_mean: float = 1.0
     experts_idle: int = 0
     cp_imbalance: float = 1.0
+    mfu: float | None = None
 
     def metrics(self) -> dict:
         """The ``metrics.jsonl`` record (:data:`qwen35_trainer.run_folder.METRIC_FIELDS`)."""
@@ -209,6 +213,8 @@ def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef
     a step when any rank got a preemption signal. With ``train.async_checkpoint`` a
     checkpoint is completed by the next one, or before the loop returns or stops."""
     spec, model = recipe.train, objective.model
+    peak = peak_flops(device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     writer = AsyncCheckpointer() if checkpoints and spec.async_checkpoint else None
     save = save_checkpoint if writer is None else writer.save
     for step in range(start, spec.steps):
@@ -228,6 +234,7 @@ def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef
             data_seconds=data_seconds, peak_memory_mib=peak_memory_mib(device),
             expert_load_max_over_mean=result.expert_load_max_over_mean,
             experts_idle=result.experts_idle, cp_imbalance=result.cp_imbalance,
+            mfu=result.flops / (seconds * world * peak) if peak and seconds > 0 else None,
         )  # fmt: skip
         logs.append(log)
         if folder is not None:

@@ -1,0 +1,90 @@
+"""The FLOP model behind the ``mfu`` metric (model FLOPs utilisation, on GPU).
+
+Model FLOPs of one training step = 3 × the forward's (the backward costs twice the forward;
+activation recomputation is NOT counted, as usual for MFU). The forward of a token costs 2 FLOPs
+per weight it multiplies:
+
+- text, per token: every projection of its layer's mixer (gated attention: q+gate, k, v, o;
+  Gated DeltaNet: fused qkv, z, b, a, out, and the depthwise causal conv), the router, its
+  ``k`` routed experts and the shared expert with its gate, and the ``lm_head``; plus, per
+  full-attention layer, scores and values over the causal context inside its document
+  (``2·2·heads·head_dim`` per (query, key) pair, ``n(n+1)/2`` pairs in a document of ``n``),
+  and per Gated DeltaNet layer the recurrent state's update, delta and read-out
+  (``3 · 2·v_heads·k_dim·v_dim`` per token);
+- vision, per patch: every block's projections and MLP and the patch embedding; the merger per
+  merged token; attention over the patches of the same frame (``2·2·hidden`` per pair).
+
+The embedding lookup and norms are not counted. ``peak_flops`` is the accelerator's dense bf16
+peak (a table of datasheet numbers, or ``QWEN35_PEAK_FLOPS``); without it there is no MFU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["PEAK_BF16_FLOPS", "peak_flops", "training_flops"]
+
+# Dense bf16 tensor-core peaks (datasheets, SXM parts), matched against the device name.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "B200": 2250e12,
+                   "A100": 312e12, "A800": 312e12, "L40S": 362e12}  # fmt: skip
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """FLOP/s one device can do (``QWEN35_PEAK_FLOPS`` overrides the table); ``None`` on CPU or
+    an unknown GPU."""
+    if os.environ.get("QWEN35_PEAK_FLOPS"):
+        return float(os.environ["QWEN35_PEAK_FLOPS"])
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def _text_weights_per_token(text) -> dict[str, int]:
+    """Weights one token multiplies in each kind of decoder layer (and the head)."""
+    h, hd = text.hidden_size, text.head_dim
+    q, kv = text.num_attention_heads * hd, text.num_key_value_heads * hd
+    qk = text.linear_num_key_heads * text.linear_key_head_dim
+    v = text.linear_num_value_heads * text.linear_value_head_dim
+    conv = 2 * qk + v
+    moe = (h * text.num_experts
+           + text.num_experts_per_tok * 3 * h * text.moe_intermediate_size
+           + 3 * h * text.shared_expert_intermediate_size + h)  # fmt: skip
+    return {
+        "full_attention": h * 2 * q + 2 * h * kv + q * h + moe,
+        "linear_attention": h * conv
+        + h * v
+        + 2 * h * text.linear_num_value_heads
+        + v * h
+        + conv * text.linear_conv_kernel_dim
+        + moe,
+        "head": text.vocab_size * h,
+    }
+
+
+def training_flops(
+    config, doc_lengths: Sequence[int], image_grids: Sequence[Sequence[int]]
+) -> float:
+    """Model FLOPs of one forward + backward over documents of ``doc_lengths`` tokens and
+    images / videos of patch grids ``[t, h, w]`` (module docstring)."""
+    text, vision = config.text_config, config.vision_config
+    tokens = sum(doc_lengths)
+    weights = _text_weights_per_token(text)
+    forward = 2 * tokens * (sum(weights[t] for t in text.layer_types) + weights["head"])
+    pairs = sum(n * (n + 1) // 2 for n in doc_lengths)
+    full = sum(t == "full_attention" for t in text.layer_types)
+    forward += full * 4 * text.num_attention_heads * text.head_dim * pairs
+    state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
+    forward += (len(text.layer_types) - full) * tokens * 3 * 2 * state
+    vh, merge = vision.hidden_size, vision.spatial_merge_size**2
+    pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    block = 4 * vh * vh + 2 * vh * vision.intermediate_size
+    merger = (vh * merge) ** 2 + vh * merge * vision.out_hidden_size
+    for t, hh, ww in image_grids:
+        patches = t * hh * ww
+        forward += 2 * patches * (pixels * vh + vision.depth * block + merger // merge)
+        forward += vision.depth * t * 4 * vh * (hh * ww) ** 2
+    return 3.0 * forward
