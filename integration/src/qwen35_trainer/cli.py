@@ -34,7 +34,12 @@ import uuid
 import torch.distributed as dist
 
 from qwen35_trainer.preemption import Preempted
-from qwen35_trainer.recipe import builtin_recipes, load_recipe, recipe_path
+from qwen35_trainer.recipe import (
+    add_recipe_arguments,
+    builtin_recipes,
+    load_recipe,
+    recipe_path,
+)
 from qwen35_trainer.train import StepLog, train
 
 __all__ = ["EXIT_BAD_RECIPE", "EXIT_INTERNAL", "EXIT_NON_FINITE", "EXIT_PREEMPTED", "main"]
@@ -48,18 +53,11 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="Subcommands: qwen35-train plan RECIPE (memory / communication per GPU on a fake "
         "world, exit 3 when it does not fit); qwen35-train export RECIPE CHECKPOINT OUT (a "
-        "training checkpoint as a transformers directory). Outputs: runs/<recipe>-<time>/ (recipe.yaml, metrics.jsonl, tensorboard/, "
-        "loss.png, logs/). Built-in recipes: " + ", ".join(builtin_recipes()),
+        "training checkpoint as a transformers directory). Outputs: runs/<recipe>-<time>/ "
+        "(recipe.yaml, metrics.jsonl, tensorboard/, loss.png, logs/). Built-in recipes: "
+        + ", ".join(builtin_recipes()),
     )
-    parser.add_argument("recipe", help="a YAML recipe file, or a built-in recipe's name")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one recipe value (repeatable), e.g. --set train.steps=5",
-    )
+    add_recipe_arguments(parser)
     parser.add_argument(
         "--nproc", type=int, help="local workers to start (default: what the recipe needs)"
     )

@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from qwen35_trainer.recipe import add_recipe_arguments, load_recipe
+
 __all__ = ["export_main"]
 
 
@@ -57,21 +59,11 @@ def _export(recipe, checkpoint: Path, out: Path) -> int:
 def export_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="qwen35-train export",
                                      description=__doc__.split("\n\n")[0])  # fmt: skip
-    parser.add_argument("recipe", help="the recipe the checkpoint was trained with")
+    add_recipe_arguments(parser, recipe_help="the recipe the checkpoint was trained with")
     parser.add_argument("checkpoint", type=Path, help="a step_NNNNNN directory or its parent")
     parser.add_argument("out", type=Path, help="the transformers checkpoint directory to write")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one recipe value",
-    )
     args = parser.parse_args(argv)
     import torch.distributed as dist
-
-    from qwen35_trainer.recipe import load_recipe
 
     made_group = False
     try:

@@ -334,6 +334,16 @@ def recipe_path(name_or_path: str | Path) -> Path:
     )
 
 
+def add_recipe_arguments(parser, *, recipe_help: str = "a YAML recipe file, or a built-in "
+                         "recipe's name") -> None:  # fmt: skip
+    """The ``RECIPE`` argument and the repeatable ``--set SECTION.KEY=VALUE`` overrides (read
+    back as ``args.recipe`` / ``args.overrides``) of every ``qwen35-train`` subcommand."""
+    parser.add_argument("recipe", help=recipe_help)
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE",
+                        help="override one recipe value (repeatable), e.g. --set train.steps=5")  # fmt: skip
+
+
 def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
     """Read a YAML recipe (a path, or a built-in recipe's name; following ``base``), apply
     ``section.key=value`` overrides."""

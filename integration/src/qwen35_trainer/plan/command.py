@@ -12,7 +12,7 @@ import json
 import sys
 
 from qwen35_trainer.plan import GIB, Plan, plan
-from qwen35_trainer.recipe import load_recipe
+from qwen35_trainer.recipe import add_recipe_arguments, load_recipe
 
 __all__ = ["EXIT_DOES_NOT_FIT", "format_plan", "plan_main"]
 
@@ -43,15 +43,7 @@ def format_plan(p: Plan) -> str:
 
 def plan_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="qwen35-train plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipe", help="a YAML recipe file, or a built-in recipe's name")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one recipe value",
-    )
+    add_recipe_arguments(parser)
     parser.add_argument("--world-size", type=int, help="ranks (rescales the data-parallel degree)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB")
     parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON there")
