@@ -12,3 +12,16 @@ ONE_PROCESS = ("parallel.dp=1", "parallel.cp=1", "parallel.ep=1")
 
 def tiny(*overrides: str):
     return load_recipe(TINY, [*ONE_PROCESS, *overrides])
+
+
+def hf_forward(model, batch, **extra):
+    """transformers' forward of a right-padded :class:`qwen35_trainer.Batch` (no cache)."""
+    return model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        mm_token_type_ids=batch.mm_token_type_ids,
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.image_grid_thw,
+        use_cache=False,
+        **extra,
+    )

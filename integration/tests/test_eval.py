@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 import transformers
-from helpers import tiny
+from helpers import hf_forward, tiny
 
 from qwen35_trainer import build_config, train
 from qwen35_trainer.data import HELD_OUT_INDEX, global_batch
@@ -25,15 +25,6 @@ def test_eval_loss_is_transformers_loss_on_the_held_out_batch():
     train_batch = global_batch(recipe.model, recipe.data, config.text_config.pad_token_id, 0, 1)
     assert not torch.equal(batch.pixel_values[:8], train_batch.pixel_values[:8])  # other samples
     with torch.no_grad():
-        out = reference(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            mm_token_type_ids=batch.mm_token_type_ids,
-            pixel_values=batch.pixel_values,
-            image_grid_thw=batch.image_grid_thw,
-            labels=batch.labels,
-            output_router_logits=True,
-            use_cache=False,
-        )
+        out = hf_forward(reference, batch, labels=batch.labels, output_router_logits=True)
     torch.testing.assert_close(result.logs[-1].eval_loss, float(out.loss), rtol=1e-4, atol=0)
     assert result.logs[-1].eval_loss not in [log.loss for log in result.logs]

@@ -5,21 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import tiny
+from helpers import hf_forward, tiny
 
 from qwen35_trainer import build_config, build_model, global_batch, train
 
 
 def _logits(model, batch):
     with torch.no_grad():
-        return model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            mm_token_type_ids=batch.mm_token_type_ids,
-            pixel_values=batch.pixel_values,
-            image_grid_thw=batch.image_grid_thw,
-            use_cache=False,
-        ).logits
+        return hf_forward(model, batch).logits
 
 
 def test_start_from_a_transformers_checkpoint(tmp_path):

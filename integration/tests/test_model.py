@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import transformers
-from helpers import tiny
+from helpers import hf_forward, tiny
 
 from dist_testkit import assert_close, assert_grads_close
 from qwen35_trainer import TrainingObjective, build_config, global_batch, swap_moe_blocks
@@ -34,16 +34,7 @@ def test_objective_equals_transformers_loss_and_grads(chunk):
     r = tiny()
     hf, ours = _pair(r)
     batch = global_batch(r.model, r.data, hf.config.text_config.pad_token_id, step=0, dp=2)
-    out = hf(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        mm_token_type_ids=batch.mm_token_type_ids,
-        pixel_values=batch.pixel_values,
-        image_grid_thw=batch.image_grid_thw,
-        labels=batch.labels,
-        use_cache=False,
-        output_router_logits=True,
-    )
+    out = hf_forward(hf, batch, labels=batch.labels, output_router_logits=True)
     objective = TrainingObjective(ours, loss_chunk_size=chunk)
     shares = objective(batch)
     assert shares.tokens == int((shifted_labels(batch) != -100).sum())
