@@ -39,7 +39,7 @@ def _child(variant: str, tokens: int) -> None:
 
     from qwen35_trainer import TrainingObjective, build_model, load_recipe
     from qwen35_trainer.data import collate, rank_samples
-    from qwen35_trainer.packing import PackedInputs, enable_packing, pack, row_layout
+    from qwen35_trainer.data.packing import enable_packing, pack
 
     torch.set_num_threads(1)
     samples_per_row = max(1, tokens // 190)  # ~190 tokens (text + image) per sample
@@ -48,11 +48,12 @@ def _child(variant: str, tokens: int) -> None:
         "model.video_token_id=65531", "model.vision_start_token_id=65532",
         "model.vision_end_token_id=65533", "model.expert_backend=torch",
         f"data.samples_per_rank={samples_per_row}", "data.text_tokens=[80, 100]",
+        "data.path=null", "data.processor=null", "data.eval_path=null", "data.pack_length=null",
     ])  # fmt: skip
     model = build_model(recipe.model)
     samples = rank_samples(recipe.model, recipe.data, step=0, rank=0, dp=1)
     if variant == "transformers":
-        batch = collate(samples, recipe.model, pad_token_id=0)
+        batch = collate(samples, pad_token_id=0)
         base = _rss()
         start = time.perf_counter()
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -63,13 +64,12 @@ def _child(variant: str, tokens: int) -> None:
     else:
         enable_packing(model)
         objective = TrainingObjective(model)
-        row = pack(samples, recipe.model, model.model.get_rope_index, pad_token_id=0)
-        packed = PackedInputs(row.position_ids, row_layout(row))
+        row, packed = pack(samples, model.config, pad_token_id=0)
         base = _rss()
         start = time.perf_counter()
-        shares = objective(row.batch, packed=packed)
+        shares = objective(row, packed=packed)
         (shares.ce + 0.001 * shares.aux).backward()
-        n = int(row.batch.attention_mask.sum())
+        n = int(row.attention_mask.sum())
     seconds = time.perf_counter() - start
     print(json.dumps({"extra": _rss() - base, "tokens": n, "seconds": seconds}))
 

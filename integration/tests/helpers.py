@@ -1,5 +1,5 @@
-"""Shared test builders: the built-in tiny recipe in ONE process (its own layout is 4 ranks),
-smaller where a test needs speed."""
+"""Shared test builders: the built-in tiny recipe in ONE process (its own layout is 4 ranks) on
+the synthetic stream (its own data is the demo dataset), smaller where a test needs speed."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from qwen35_trainer.recipe import recipe_path
 
 TINY = recipe_path("tiny")
 ONE_PROCESS = ("parallel.dp=1", "parallel.cp=1", "parallel.ep=1")
+SYNTHETIC = ("data.path=null", "data.processor=null", "data.eval_path=null",
+             "data.pack_length=null", "train.eval_every=0", "train.eval_steps=1")  # fmt: skip
 
 
 def tiny(*overrides: str):
-    return load_recipe(TINY, [*ONE_PROCESS, *overrides])
+    """The tiny recipe, one process, synthetic data; ``overrides`` apply last."""
+    return load_recipe(TINY, [*ONE_PROCESS, *SYNTHETIC, *overrides])
 
 
 def hf_forward(model, batch, **extra):

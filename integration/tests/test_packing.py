@@ -16,8 +16,8 @@ from helpers import tiny
 from dist_testkit import assert_close, assert_grads_close
 from qwen35_trainer import TrainingObjective, build_model
 from qwen35_trainer.data import IGNORE_INDEX, collate, rank_samples
+from qwen35_trainer.data.packing import enable_packing, pack
 from qwen35_trainer.objective import shifted_labels
-from qwen35_trainer.packing import PackedInputs, enable_packing, pack, row_layout
 
 
 def _setup():
@@ -25,8 +25,8 @@ def _setup():
     r = tiny("model.expert_backend=torch")
     model = build_model(r.model)
     samples = rank_samples(r.model, r.data, step=0, rank=0, dp=1)
-    padded = collate(samples, r.model, pad_token_id=0)
-    row = pack(samples, r.model, model.model.get_rope_index, pad_token_id=0)
+    padded = collate(samples, pad_token_id=0)
+    row = pack(samples, model.config, pad_token_id=0)
     return model, samples, padded, row
 
 
@@ -40,7 +40,7 @@ def test_packed_row_equals_padded_rows_values_and_grads():
     enable_packing(model)
     packed = TrainingObjective(model)
     ref = reference(padded)
-    ours = packed(row.batch, packed=PackedInputs(row.position_ids, row_layout(row)))
+    ours = packed(row[0], packed=row[1])
     assert ours.tokens == ref.tokens == int((shifted_labels(padded) != IGNORE_INDEX).sum())
     assert_close(ours.ce, ref.ce, rtol=1e-5, atol=1e-6, name="ce")
     assert_close(ours.aux, ref.aux, rtol=1e-6, atol=1e-7, name="aux")
@@ -55,19 +55,19 @@ def test_without_the_adaptation_documents_leak():
     model, _, padded, row = _setup()
     objective = TrainingObjective(model)
     ref = objective(padded).ce
-    leaked = objective(row.batch).ce  # plain causal row, no packing adaptation
+    leaked = objective(row[0]).ce  # plain causal row, no packing adaptation
     assert abs(leaked.item() - ref.item()) > 1e-3, (leaked.item(), ref.item())
 
 
 def test_pack_layout():
-    _, samples, _, row = _setup()
+    _, samples, _, (batch, packed) = _setup()
     lengths = [s.input_ids.numel() for s in samples]
-    cu = row.cu_seqlens.tolist()
+    cu = list(packed.layout.cu_seqlens)
     assert cu[: len(lengths) + 1] == [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    assert cu[-1] == row.batch.input_ids.shape[1] and cu[-1] % 8 == 0
+    assert cu[-1] == batch.input_ids.shape[1] and cu[-1] % 8 == 0
     for start in cu[:-1]:
-        assert row.batch.labels[0, start] == IGNORE_INDEX  # never predicted across a boundary
-        assert (row.position_ids[:, 0, start] == 0).all()  # each document starts at position 0
-    assert torch.equal(row.batch.pixel_values, torch.cat([s.pixel_values for s in samples]))
-    assert row.batch.attention_mask[0, : sum(lengths)].all()
-    assert not row.batch.attention_mask[0, sum(lengths) :].any()
+        assert batch.labels[0, start] == IGNORE_INDEX  # never predicted across a boundary
+        assert (packed.position_ids[:, 0, start] == 0).all()  # each document starts at position 0
+    assert torch.equal(batch.pixel_values, torch.cat([s.pixel_values for s in samples]))
+    assert batch.attention_mask[0, : sum(lengths)].all()
+    assert not batch.attention_mask[0, sum(lengths) :].any()

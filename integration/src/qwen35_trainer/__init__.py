@@ -9,6 +9,7 @@ data stream; YAML recipes and the ``qwen35-train`` CLI.
 
 from moe_parallel import swap_moe_blocks
 from qwen35_trainer.data import Batch, global_batch, rank_batch
+from qwen35_trainer.data.packing import PackedInputs, enable_packing, pack
 from qwen35_trainer.model import (
     build_config,
     build_meta_model,
@@ -19,7 +20,6 @@ from qwen35_trainer.model import (
     moe_blocks,
 )
 from qwen35_trainer.objective import LossShares, TrainingObjective
-from qwen35_trainer.packing import PackedInputs, enable_packing, pack
 from qwen35_trainer.parallel import TP_PLAN, Layout, ParallelDims, check_layout, parallelize
 from qwen35_trainer.recipe import (
     DataRecipe,

@@ -1,6 +1,8 @@
 """``qwen35-train RECIPE [--set section.key=value ...] [--nproc N]``: train a recipe;
 ``qwen35-train plan RECIPE [--world-size N] [--gpu-memory GiB] [--json FILE]``: will it fit?
-``qwen35-train export RECIPE CHECKPOINT OUT``: a training checkpoint as a transformers directory.
+``qwen35-train export RECIPE CHECKPOINT OUT``: a training checkpoint as a transformers directory;
+``qwen35-train data make-demo DIR`` / ``qwen35-train data check RECIPE``: the demo dataset, and
+a report of a recipe's dataset read through its processor.
 
 ``RECIPE`` is a YAML file or the name of a built-in recipe (``tiny``). A recipe that needs N
 ranks, run outside torchrun, starts its N local workers itself through PyTorch's elastic
@@ -13,7 +15,8 @@ checkpoints / export when the recipe asks for them. Rank 0 prints one line per s
 progress bar on a terminal) and every message; the other ranks print nothing.
 
 Exit status: 0 every step ran with a finite loss; 1 a non-finite loss (the message names the
-step); 2 a bad recipe or one that does not fit the launch or the model (the message says why);
+step); 2 a bad recipe, one that does not fit the launch or the model, or a bad data row (the
+message says why, naming the file and row);
 4 an unexpected internal error (with its traceback); 5 stopped by SIGTERM / SIGUSR1 after
 finishing a step and saving a checkpoint (run the same command again to resume).
 ``--max-restarts N`` (with the built-in launch) brings all workers back after a worker dies,
@@ -53,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="Subcommands: qwen35-train plan RECIPE (memory / communication per GPU on a fake "
         "world, exit 3 when it does not fit); qwen35-train export RECIPE CHECKPOINT OUT (a "
-        "training checkpoint as a transformers directory). Outputs: runs/<recipe>-<time>/ "
+        "training checkpoint as a transformers directory); qwen35-train data make-demo DIR | check "
+        "RECIPE (write the demo dataset; read a recipe's dataset and report it). Outputs: runs/<recipe>-<time>/ "
         "(recipe.yaml, metrics.jsonl, tensorboard/, loss.png, logs/). Built-in recipes: "
         + ", ".join(builtin_recipes()),
     )
@@ -87,8 +91,15 @@ def _line(log: StepLog, steps: int, eta: str) -> str:
         f"step {log.step:>{len(str(steps))}}/{steps}  loss {log.loss:.4f}  ce {log.ce:.4f}  "
         f"aux {log.aux:.4f}  grad_norm {log.grad_norm:.3f}  lr {log.lr:.3g}  "
         f"tokens {log.tokens}  {rate:.0f} tok/s  {log.seconds * 1000:.0f} ms  eta {eta}"
-        + ("" if log.eval_loss is None else f"  eval {log.eval_loss:.4f}")
+        + ("" if log.fill is None else f"  fill {log.fill:.2f}")
+        + _eval_part(log)
     )
+
+
+def _eval_part(log: StepLog) -> str:
+    if log.eval_loss is None:
+        return ""
+    return f"  eval {log.eval_loss:.4f}  accuracy {log.eval_accuracy:.3f}"
 
 
 def _output_dir(recipe_arg: str) -> str:
@@ -159,6 +170,10 @@ def _main(argv: list[str] | None) -> int:
         from qwen35_trainer.export_command import export_main
 
         return export_main(argv[1:])
+    if argv[:1] == ["data"]:
+        from qwen35_trainer.data.command import data_main
+
+        return data_main(argv[1:])
     args = _parser().parse_args(argv)
     printing = os.environ.get("RANK", "0") == "0"
 

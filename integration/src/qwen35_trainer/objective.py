@@ -36,8 +36,8 @@ from torch import nn
 from chunked_loss import global_num_valid_tokens, linear_cross_entropy
 from moe_parallel import MoE, load_balancing_loss
 from qwen35_trainer.data import IGNORE_INDEX, Batch
+from qwen35_trainer.data.packing import PackedInputs, packed_hidden_states
 from qwen35_trainer.model import moe_blocks
-from qwen35_trainer.packing import PackedInputs, packed_hidden_states
 
 __all__ = ["LossShares", "RouterLogits", "TrainingObjective", "shifted_labels"]
 
@@ -50,6 +50,7 @@ class LossShares:
     ce: torch.Tensor
     aux: torch.Tensor
     tokens: int  # valid labels in the global batch
+    correct: torch.Tensor | None = None  # this rank's labels predicted right (with accuracy)
 
 
 class RouterLogits:
@@ -84,6 +85,7 @@ class TrainingObjective(nn.Module):
         packed: PackedInputs | None = None,
         *,
         num_valid_tokens: int | None = None,
+        accuracy: bool = False,
     ) -> LossShares:
         """``group``: every rank holding other tokens of the global batch (``None`` for one
         process); the aux statistics (and, unless ``num_valid_tokens`` is given, the valid
@@ -94,8 +96,11 @@ class TrainingObjective(nn.Module):
         vlm = self.model.model
         # before the decoder, where ranks with images run the tower: FSDP's collectives then
         # come in the same order on every rank
-        dummy = None if batch.pixel_values.numel() else dummy_vision(vlm)
+        dummy = None if batch.has_media else dummy_vision(vlm)
         if packed is None:
+            if batch.pixel_values_videos.numel():
+                raise ValueError("videos need data.packing: true (the packed forward encodes "
+                                 "images and videos in one vision call on every rank)")  # fmt: skip
             outputs = vlm(
                 input_ids=batch.input_ids,
                 attention_mask=batch.attention_mask,
@@ -124,7 +129,35 @@ class TrainingObjective(nn.Module):
             ce = ce + 0.0 * dummy.sum().float()
         logits = self.router.of_tokens(tokens_BS.reshape(-1).bool())
         aux = load_balancing_loss(logits, self.router.top_k, group=group)
-        return LossShares(ce=ce, aux=aux, tokens=num_valid_tokens)
+        correct = None
+        if accuracy:
+            correct = count_correct(hidden_BSH, head.weight, head.bias, labels_BS,
+                                    self.loss_chunk_size or ACCURACY_CHUNK)  # fmt: skip
+        return LossShares(ce=ce, aux=aux, tokens=num_valid_tokens, correct=correct)
+
+
+ACCURACY_CHUNK = 4096  # tokens per arg-max chunk: [4096, vocab] logits at a time
+
+
+@torch.no_grad()
+def count_correct(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
+                  labels_BS: torch.Tensor, chunk: int) -> torch.Tensor:  # fmt: skip
+    """How many valid labels equal the arg-max of ``hidden @ weight.T (+ bias)``, computed
+    ``chunk`` tokens at a time (fp32 scalar)."""
+    if hasattr(weight_VH, "full_tensor"):  # a DTensor (TP): the whole head
+        weight_VH = weight_VH.full_tensor()
+        bias_V = bias_V.full_tensor() if bias_V is not None else None
+    hidden_NH = hidden_BSH.reshape(-1, hidden_BSH.shape[-1])
+    labels_N = labels_BS.reshape(-1)
+    keep = labels_N != IGNORE_INDEX
+    hidden_NH, labels_N = hidden_NH[keep], labels_N[keep]
+    correct = torch.zeros((), device=hidden_BSH.device)
+    for first in range(0, labels_N.numel(), chunk):
+        logits = hidden_NH[first : first + chunk] @ weight_VH.to(hidden_NH.dtype).T
+        if bias_V is not None:
+            logits = logits + bias_V
+        correct += (logits.argmax(-1) == labels_N[first : first + chunk]).sum()
+    return correct
 
 
 def count_valid_labels(labels: torch.Tensor, group: Any = None) -> int:

@@ -24,7 +24,7 @@ __all__ = ["METRIC_FIELDS", "RunFolder", "resolved_recipe"]
 METRIC_FIELDS = (
     "step", "loss", "ce", "aux", "grad_norm", "lr", "tokens", "tokens_per_s", "step_seconds",
     "data_seconds", "peak_memory_mib", "expert_load_max_over_mean", "experts_idle",
-    "cp_imbalance", "eval_loss", "mfu",
+    "cp_imbalance", "eval_loss", "mfu", "eval_accuracy", "fill", "over_capacity", "bad_rows",
 )  # fmt: skip
 
 
@@ -75,10 +75,11 @@ class RunFolder:
         self.metrics.write(json.dumps(metrics) + "\n")
         self.metrics.flush()
         for key, value in metrics.items():
-            if key not in ("step", "eval_loss") and value is not None:
+            if key not in ("step", "eval_loss", "eval_accuracy") and value is not None:
                 self.board.add_scalar(f"train/{key}", value, metrics["step"])
         if metrics["eval_loss"] is not None:
             self.board.add_scalar("eval/loss", metrics["eval_loss"], metrics["step"])
+            self.board.add_scalar("eval/accuracy", metrics["eval_accuracy"], metrics["step"])
             plot_loss(self.records, self.path / "loss.png")  # refreshed at every eval
 
     def close(self) -> None:

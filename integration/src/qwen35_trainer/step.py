@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import resource
-import time
 from typing import Any
 
 import torch
@@ -22,16 +21,18 @@ import torch.distributed as dist
 
 from fsdp_compat import clip_grad_norm
 from qwen35_trainer.data import HELD_OUT_INDEX, IGNORE_INDEX, collate, rank_samples
+from qwen35_trainer.data.packing import pack
 from qwen35_trainer.flops import training_flops
-from qwen35_trainer.packing import PackedInputs, pack, row_layout
 from qwen35_trainer.parallel import Layout
 
 __all__ = [
+    "EvalResult",
     "StepResult",
     "evaluate",
     "micro_batches",
     "micro_flops",
     "peak_memory_mib",
+    "row_micro_batches",
     "train_step",
 ]
 
@@ -69,13 +70,32 @@ def micro_batches(recipe: Any, model, layout: Layout, step: int, device: torch.d
     for first in range(0, len(samples), size):
         part = samples[first : first + size]
         if recipe.data.packing:
-            row = pack(part, recipe.model, model.model.get_rope_index, pad,
-                       capacity=recipe.data.pack_length)  # fmt: skip
-            packed = PackedInputs(row.position_ids.to(device), row_layout(row, layout.cp),
-                                  layout.cp_group)  # fmt: skip
-            out.append((row.batch.to(device), packed))
+            batch, packed = pack(part, model.config, pad, cp=layout.cp, group=layout.cp_group,
+                                 capacity=recipe.data.pack_length)  # fmt: skip
+            out.append((batch.to(device), packed.to(device)))
         else:
-            out.append((collate(part, recipe.model, pad).to(device), None))
+            out.append((collate(part, pad).to(device), None))
+    return out
+
+
+def row_micro_batches(rows: list, recipe: Any, model, layout: Layout, device: torch.device):
+    """This rank's ``(batch, packed inputs)`` per micro-batch of a dataset step: its packed
+    ``rows`` (:meth:`qwen35_trainer.data.loader.DataStream.next_step`) split evenly over
+    ``train.grad_accum_steps`` micro-batches, a micro-batch's rows packed as one sequence."""
+    n = recipe.train.grad_accum_steps
+    if len(rows) % n:
+        raise ValueError(
+            f"{len(rows)} packed rows per rank (data.global_batch / data-parallel ranks) must be "
+            f"a multiple of train.grad_accum_steps={n}"
+        )
+    pad = model.config.text_config.pad_token_id
+    size = len(rows) // n
+    out = []
+    for first in range(0, len(rows), size):
+        docs = [doc for row in rows[first : first + size] for doc in row]
+        batch, packed = pack(docs, model.config, pad, cp=layout.cp, group=layout.cp_group,
+                             capacity=size * recipe.data.pack_length)  # fmt: skip
+        out.append((batch.to(device), packed.to(device)))
     return out
 
 
@@ -140,20 +160,37 @@ def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """The held-out loss (CE + aux_coef * aux) and next-token accuracy over its labels."""
+
+    loss: float
+    accuracy: float
+
+
 @torch.no_grad()
 def evaluate(recipe: Any, objective, model, layout: Layout, *, aux_coef: float,
-             device: torch.device) -> float:  # fmt: skip
-    """The global loss (CE + aux_coef * aux, each rank's shares summed) over
-    ``train.eval_steps`` held-out global batches, split over the ranks as training is."""
-    total = torch.zeros(2, device=device)
+             device: torch.device, batches=None) -> EvalResult:  # fmt: skip
+    """The global loss and accuracy over ``train.eval_steps`` held-out global batches, split
+    over the ranks as training is: ``batches(e)`` gives step ``e``'s micro-batches (default:
+    the synthetic held-out stream)."""
+    sums = torch.zeros(3, device=device, dtype=torch.float64)  # ce, aux, correct shares
+    labels = 0  # valid labels, global
     for e in range(recipe.train.eval_steps):
-        micro = micro_batches(recipe, model, layout, e, device, offset=HELD_OUT_INDEX)
+        if batches is None:
+            micro = micro_batches(recipe, model, layout, e, device, offset=HELD_OUT_INDEX)
+        else:
+            micro = batches(e)
         num_valid = count_valid(micro, layout, device)
+        labels += num_valid
         for batch, packed in micro:
-            shares = objective(batch, layout.loss_group, packed, num_valid_tokens=num_valid)
-            total += torch.stack([shares.ce, shares.aux / len(micro)]).float()
-    total = _all_reduce(total, layout) / recipe.train.eval_steps
-    return float(total[0] + aux_coef * total[1])
+            shares = objective(batch, layout.loss_group, packed, num_valid_tokens=num_valid,
+                               accuracy=True)  # fmt: skip
+            sums += torch.stack([shares.ce, shares.aux / len(micro), shares.correct]).double()
+    sums = _all_reduce(sums, layout)  # each rank counted its own tokens: the sum is global
+    steps = recipe.train.eval_steps
+    return EvalResult(loss=float(sums[0] / steps + aux_coef * sums[1] / steps),
+                      accuracy=float(sums[2] / labels) if labels else 0.0)  # fmt: skip
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -161,9 +198,3 @@ def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def timed(fn, *args, **kwargs):
-    """``(fn(*args, **kwargs), seconds)``."""
-    began = time.perf_counter()
-    return fn(*args, **kwargs), time.perf_counter() - began

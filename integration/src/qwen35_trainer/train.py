@@ -45,16 +45,17 @@ from qwen35_trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from qwen35_trainer.data.feed import Feed
+from qwen35_trainer.data.packing import enable_packing
 from qwen35_trainer.flops import peak_flops
 from qwen35_trainer.model import build_meta_model, export_hf, materialize
 from qwen35_trainer.objective import TrainingObjective
-from qwen35_trainer.packing import enable_packing
 from qwen35_trainer.parallel import check_layout, parallelize
 from qwen35_trainer.preemption import Preempted, StopFlag
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.run_folder import RunFolder, resolved_recipe
 from qwen35_trainer.schedule import lr_at, set_lr
-from qwen35_trainer.step import evaluate, micro_batches, peak_memory_mib, timed, train_step
+from qwen35_trainer.step import evaluate, peak_memory_mib, train_step
 from safe_optim import build_optimizer
 
 __all__ = ["StepLog", "TrainResult", "train"]
@@ -69,7 +70,12 @@ class StepLog:
     this rank's peak so far (CUDA allocator, or RSS on CPU); the expert load is over every
     layer's routed assignments of the step's row tokens (padding included); ``mfu``: the step's
     model FLOPs (:mod:`qwen35_trainer.flops`) over its time and every rank's peak FLOP/s
-    (``None`` where the peak is unknown, e.g. on CPU)."""
+    (``None`` where the peak is unknown, e.g. on CPU); ``eval_accuracy``: the held-out labels'
+    next-token accuracy; with a dataset (:mod:`qwen35_trainer.data.loader`): ``data_seconds``
+    is the time the step waited for its rows, ``fill`` the share of the rows' capacity holding
+    document tokens, ``over_capacity`` the documents longer than ``data.pack_length``
+    (truncated or dropped) and ``bad_rows`` the rows skipped under ``data.on_bad_row: skip``,
+    both in this step."""
 
     step: int
     loss: float
@@ -86,6 +92,10 @@ class StepLog:
     experts_idle: int = 0
     cp_imbalance: float = 1.0
     mfu: float | None = None
+    eval_accuracy: float | None = None
+    fill: float | None = None
+    over_capacity: int = 0
+    bad_rows: int = 0
 
     def metrics(self) -> dict:
         """The ``metrics.jsonl`` record (:data:`qwen35_trainer.run_folder.METRIC_FIELDS`)."""
@@ -184,7 +194,9 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
     if checkpoints is None and spec.output_dir and spec.checkpoint_every:
         checkpoints = os.path.join(spec.output_dir, "checkpoints")
     start = _resume(checkpoints, objective, optimizer, device)
+    feed = Feed(recipe, model, layout, device)
     if start:
+        feed.restore(Path(checkpoints) / f"step_{start:06d}")
         messages = [f"resumed from step {start} of {checkpoints}"]
         messages += _changed_on_resume(Path(checkpoints) / f"step_{start:06d}", recipe)
         for message in messages:
@@ -197,8 +209,8 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
     stop = StopFlag()
     try:
         with stop.installed():
-            _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef, device,
-                  on_step, logs, stop)  # fmt: skip
+            _loop(recipe, objective, optimizer, layout, feed, folder, checkpoints, start, coef,
+                  device, on_step, logs, stop)  # fmt: skip
     finally:
         if folder is not None:
             folder.close()
@@ -207,7 +219,7 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
     return TrainResult(logs, objective, optimizer)
 
 
-def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef, device,
+def _loop(recipe, objective, optimizer, layout, feed, folder, checkpoints, start, coef, device,
           on_step, logs, stop) -> None:  # fmt: skip
     """Steps ``start`` .. ``train.steps``; checkpoints as the recipe asks; stops (saving) after
     a step when any rank got a preemption signal. With ``train.async_checkpoint`` a
@@ -221,17 +233,21 @@ def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef
         began = time.perf_counter()
         lr = lr_at(step, spec)
         set_lr(optimizer, lr)
-        micro, data_seconds = timed(micro_batches, recipe, model, layout, step, device)
+        micro, data = feed.step(step)
         result = train_step(objective, optimizer, micro, layout, aux_coef=coef,
                             grad_clip=spec.grad_clip, device=device)  # fmt: skip
         seconds = time.perf_counter() - began
-        eval_every, eval_loss = spec.eval_every, None
+        eval_every, held_out = spec.eval_every, None
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == spec.steps):
-            eval_loss = evaluate(recipe, objective, model, layout, aux_coef=coef, device=device)
+            held_out = evaluate(recipe, objective, model, layout, aux_coef=coef, device=device,
+                                batches=feed.eval_batches())  # fmt: skip
         log = StepLog(
             step + 1, result.ce + coef * result.aux, result.ce, result.aux,
-            result.grad_norm, result.tokens, seconds, lr=lr, eval_loss=eval_loss,
-            data_seconds=data_seconds, peak_memory_mib=peak_memory_mib(device),
+            result.grad_norm, result.tokens, seconds, lr=lr,
+            eval_loss=held_out.loss if held_out else None,
+            eval_accuracy=held_out.accuracy if held_out else None,
+            data_seconds=data.seconds, fill=data.fill, over_capacity=data.over_capacity,
+            bad_rows=data.bad_rows, peak_memory_mib=peak_memory_mib(device),
             expert_load_max_over_mean=result.expert_load_max_over_mean,
             experts_idle=result.experts_idle, cp_imbalance=result.cp_imbalance,
             mfu=result.flops / (seconds * world * peak) if peak and seconds > 0 else None,
@@ -246,7 +262,7 @@ def _loop(recipe, objective, optimizer, layout, folder, checkpoints, start, coef
         due = step + 1 == spec.steps or (every and (step + 1) % every == 0)
         if checkpoints and (due or stopping):
             save(checkpoints, step + 1, objective, optimizer, keep=spec.keep_checkpoints,
-                 files={"recipe.yaml": resolved_recipe(recipe)})  # fmt: skip
+                 files={"recipe.yaml": resolved_recipe(recipe), **feed.state_file()})  # fmt: skip
         if stopping and writer is not None:
             writer.wait()
         if stopping:

@@ -105,9 +105,9 @@ def communication(model, dims, shape: Shape) -> dict[str, int]:
 def _rank_plan(recipe, world: int, rank: int):
     """``(Memory, total, routed, communication)`` of ``rank``: the model built on meta and
     parallelised on a fake world by the trainer's own code."""
+    from qwen35_trainer.data.packing import enable_packing
     from qwen35_trainer.model import build_meta_model
     from qwen35_trainer.objective import TrainingObjective
-    from qwen35_trainer.packing import enable_packing
     from qwen35_trainer.parallel import FSDP_UNITS, check_layout, parallelize
 
     dims = check_layout(recipe.parallel, world, packing=recipe.data.packing)

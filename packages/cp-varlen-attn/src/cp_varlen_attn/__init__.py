@@ -18,6 +18,7 @@ from cp_varlen_attn.layout import (
     shard_sequence,
     unshard_sequence,
 )
+from cp_varlen_attn.mrope import mrope_positions
 from cp_varlen_attn.packing import (
     PackedBatch,
     cu_seqlens_from_doc_ids,
@@ -50,6 +51,7 @@ __all__ = [
     "exchange_rows",
     "gated_delta_rule",
     "indexed_mask_from_doc_ids",
+    "mrope_positions",
     "pack_documents",
     "packed_gated_deltanet_forward",
     "plan_cp_layout",

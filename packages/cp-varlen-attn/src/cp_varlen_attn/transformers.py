@@ -10,7 +10,8 @@ one packed row of several documents trains exactly as the documents would separa
 - every Gated DeltaNet layer runs :func:`packed_gated_deltanet_forward`: state and conv
   history restart at every document;
 - positions: :func:`pack_for_model` computes each document's multimodal RoPE positions alone
-  (the model's ``get_rope_index``, text, images and videos) and concatenates them.
+  (:func:`~cp_varlen_attn.mrope.mrope_positions` from the config — equal to the model's
+  ``get_rope_index``: text, images and videos) and concatenates them.
 
 The document layout reaches every layer as the forward kwargs ``cp_layout`` / ``cp_group``
 (transformers hands unknown kwargs down to the layers; activation checkpointing replays them).
@@ -44,6 +45,7 @@ from torch import nn
 from cp_varlen_attn.attention import varlen_attention
 from cp_varlen_attn.hf_gdn import GDN_ATTRIBUTES, packed_gated_deltanet_forward
 from cp_varlen_attn.layout import Piece, shard_sequence
+from cp_varlen_attn.mrope import mrope_positions, spatial_merge_size
 from cp_varlen_attn.strategies import plan_cp_layout
 from cp_varlen_attn.validation import validate_layout
 
@@ -52,6 +54,7 @@ __all__ = [
     "TESTED_TRANSFORMERS",
     "check_transformers",
     "enable_packing",
+    "mrope_positions",
     "pack_for_model",
     "packed_hidden_states",
 ]
@@ -59,8 +62,8 @@ __all__ = [
 ATTENTION = "cp_varlen_attn"
 TESTED_TRANSFORMERS = (">=5.2", "<5.25")
 IGNORE_INDEX = -100
-DOCUMENT_KEYS = ("input_ids", "labels", "attention_mask", "mm_token_type_ids", "pixel_values",
-                 "image_grid_thw", "pixel_values_videos", "video_grid_thw")  # fmt: skip
+DOCUMENT_KEYS = ("input_ids", "labels", "attention_mask", "mm_token_type_ids", "position_ids",
+                 "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")  # fmt: skip
 _MODELING = (
     ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5"),
     ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5Moe"),
@@ -253,6 +256,16 @@ def _document(doc: dict, i: int, image_id: int | None, video_id: int | None) -> 
             )
     if "attention_mask" in out and not bool((out["attention_mask"] == 1).all()):
         raise ValueError(f"documents[{i}].attention_mask has zeros: pass documents without padding")
+    if "position_ids" in out:
+        pos = torch.as_tensor(out["position_ids"])
+        n = ids.numel()
+        integer = not (pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool)
+        if tuple(pos.shape) not in ((3, n), (3, 1, n)) or not integer:
+            raise ValueError(
+                f"documents[{i}].position_ids must be integer [3, {n}] or [3, 1, {n}] (input_ids has "
+                f"{n} tokens), got {tuple(pos.shape)} {pos.dtype}"
+            )
+        out["position_ids"] = pos.reshape(3, 1, n).long()
     if "mm_token_type_ids" not in out:
         mm = torch.zeros_like(ids)
         if image_id is not None:
@@ -264,7 +277,7 @@ def _document(doc: dict, i: int, image_id: int | None, video_id: int | None) -> 
 
 
 def pack_for_model(
-    model: nn.Module,
+    model: nn.Module | Any,
     documents: Sequence[dict],
     *,
     cp_size: int = 1,
@@ -273,10 +286,14 @@ def pack_for_model(
 ) -> dict[str, Any]:
     """One packed row of ``documents`` as keyword arguments for ``model(**row)``.
 
-    Each document is one sample's processor output: ``input_ids`` [L] or [1, L] and optionally
-    ``labels`` (transformers' convention, NOT shifted; default: the ids), ``attention_mask``
-    (all ones), ``mm_token_type_ids`` (default: derived from the image / video token ids),
-    ``pixel_values`` + ``image_grid_thw``, ``pixel_values_videos`` + ``video_grid_thw``.
+    ``model``: the model or its config (only the config is read, so data-loader workers can pack
+    without a model). Each document is one sample's processor output: ``input_ids`` [L] or
+    [1, L] and optionally ``labels`` (transformers' convention, NOT shifted; default: the ids),
+    ``attention_mask`` (all ones), ``mm_token_type_ids`` (default: derived from the image / video
+    token ids), ``pixel_values`` + ``image_grid_thw``, ``pixel_values_videos`` +
+    ``video_grid_thw``, and ``position_ids`` [3, L] or [3, 1, L] (precomputed M-RoPE positions,
+    used as they are; default: :func:`mrope_positions` of the document — for a config without a
+    vision config, a text model's, ``0 … L-1``).
     Returns ``input_ids``, ``labels`` (``-100`` at each document's first token — it is never
     predicted from the previous document — and on padding), ``attention_mask`` (0 on padding),
     ``position_ids`` [3, 1, S] (per-document M-RoPE), ``mm_token_type_ids``, the concatenated
@@ -286,23 +303,28 @@ def pack_for_model(
     """
     if not documents:
         raise ValueError("pack_for_model needs at least one document")
-    config = model.config
+    config = model.config if isinstance(model, nn.Module) else model
     text_config = getattr(config, "text_config", config)
     image_id, video_id = (
         getattr(config, "image_token_id", None),
         getattr(config, "video_token_id", None),
     )
-    base = _base(model)
-    rope = getattr(base, "get_rope_index", None)
+    multimodal = getattr(config, "vision_config", None) is not None
     docs = [_document(d, i, image_id, video_id) for i, d in enumerate(documents)]
     ids, labels, masks, mm, positions = [], [], [], [], []
-    for doc in docs:
+    for i, doc in enumerate(docs):
         n = doc["input_ids"].numel()
         label = doc.get("labels", doc["input_ids"]).clone()
         label[0] = IGNORE_INDEX
-        if rope is not None:
-            pos, _ = rope(doc["input_ids"][None], doc["mm_token_type_ids"][None],
-                          image_grid_thw=doc.get("image_grid_thw"), video_grid_thw=doc.get("video_grid_thw"))  # fmt: skip
+        if "position_ids" in doc:
+            pos = doc["position_ids"]
+        elif multimodal:
+            try:
+                pos = mrope_positions(config, doc["input_ids"], doc["mm_token_type_ids"],
+                                      doc.get("image_grid_thw"), doc.get("video_grid_thw"))  # fmt: skip
+            except ValueError as err:
+                raise ValueError(f"documents[{i}]: {err}") from err
+            pos = pos[:, None]
         else:
             pos = torch.arange(n).view(1, 1, -1).expand(3, 1, -1)
         ids.append(doc["input_ids"])
@@ -356,6 +378,19 @@ def packed_hidden_states(
 
     The row is embedded whole on every rank; ``vision(pixel_values, grid_thw) -> features`` (e.g.
     frames sharded over the CP ranks) replaces the model's own image / video encoder if given.
+
+    Images and videos go through the vision tower in ONE call: the row's image pixels then its
+    video pixels (concatenated along dim 0), with their grids concatenated likewise (the model's
+    ``get_image_features`` — Qwen3.5's ``get_video_features`` is the same function — or
+    ``vision``); the features are split back into the image part (``Σ prod(grid) / m²`` over the
+    image grids, ``m`` the spatial merge size) and the video part, each scattered into its
+    placeholders. One call, not one per kind, because under FSDP every rank must run the tower's
+    modules the same number of times per forward: each run all-gathers the tower's parameters,
+    and a rank with images and videos calling it twice while a rank with only images calls it
+    once puts the ranks' all-gathers out of order — they hang. The features equal two separate
+    calls': the tower attends within each frame and its position embeddings are per grid. A row
+    with no images or videos runs no tower at all; under FSDP the caller keeps such a rank in step
+    (qwen35-trainer runs the tower on a dummy frame there).
     """
     layout = row["cp_layout"]
     validate_layout(layout, group)
@@ -368,21 +403,31 @@ def packed_hidden_states(
     text = getattr(base, "language_model", base)
     input_ids = row["input_ids"]
     embeds = text.get_input_embeddings()(input_ids)
-    for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"),
-                               ("video", "pixel_values_videos", "video_grid_thw")):  # fmt: skip
-        if row.get(pixels) is None or not row[pixels].numel():
-            continue
+    media = [(kind, row[pixels], torch.as_tensor(row[grid]))
+             for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"),
+                                        ("video", "pixel_values_videos", "video_grid_thw"))
+             if row.get(pixels) is not None and row[pixels].numel()]  # fmt: skip
+    if media:
+        pixels = torch.cat([px for _, px, _ in media])
+        grid = torch.cat([g for _, _, g in media])
         if vision is not None:
-            feats = vision(row[pixels], row[grid])
-        else:
-            encode = base.get_image_features if kind == "image" else base.get_video_features
-            feats = torch.cat(encode(row[pixels], row[grid], return_dict=True).pooler_output)
+            feats = vision(pixels, grid)
+        else:  # one tower call for both kinds (get_video_features is get_image_features)
+            feats = torch.cat(base.get_image_features(pixels, grid, return_dict=True).pooler_output)
         feats = feats.to(embeds.dtype)
-        key = "image_features" if kind == "image" else "video_features"
-        image_mask, video_mask = base.get_placeholder_mask(
-            input_ids, inputs_embeds=embeds, **{key: feats}
-        )
-        embeds = embeds.masked_scatter(image_mask if kind == "image" else video_mask, feats)
+        merge = spatial_merge_size(model.config)
+        sizes = [int((g.prod(-1) // merge**2).sum()) for _, _, g in media]
+        if feats.shape[0] != sum(sizes):
+            raise ValueError(
+                f"the vision tower gave {feats.shape[0]} features for grids of "
+                f"{' + '.join(map(str, sizes))} merged tokens ({', '.join(k for k, _, _ in media)})"
+            )
+        for (kind, _, _), part in zip(media, feats.split(sizes), strict=True):
+            key = "image_features" if kind == "image" else "video_features"
+            image_mask, video_mask = base.get_placeholder_mask(
+                input_ids, inputs_embeds=embeds, **{key: part}
+            )
+            embeds = embeds.masked_scatter(image_mask if kind == "image" else video_mask, part)
     out = text(
         inputs_embeds=shard_sequence(embeds, layout, rank, dim=1),
         position_ids=shard_sequence(row["position_ids"], layout, rank, dim=2),

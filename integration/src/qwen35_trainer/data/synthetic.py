@@ -1,4 +1,4 @@
-"""Synthetic multimodal samples and the batches the trainer feeds the model.
+"""The synthetic multimodal stream (the default when a recipe names no dataset).
 
 A sample is text around images: ``text``, then per image ``<vision_start>``, one
 ``<image>`` placeholder per merged patch (``t*h*w / merge**2``), ``<vision_end>``, more text.
@@ -14,48 +14,19 @@ padding) set to ``ignore_index``; the loss shifts them by one.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
+from qwen35_trainer.data.batch import IGNORE_INDEX, Batch, Sample, collate
 from qwen35_trainer.recipe import DataRecipe, ModelRecipe
 
 __all__ = [
     "HELD_OUT_INDEX",
-    "IGNORE_INDEX",
-    "Batch",
-    "Sample",
-    "collate",
     "global_batch",
     "rank_batch",
     "rank_samples",
     "sample",
     "text_vocab",
 ]
-
-IGNORE_INDEX = -100
-
-
-@dataclasses.dataclass
-class Sample:
-    input_ids: torch.Tensor  # [S] int64
-    pixel_values: torch.Tensor  # [patches, C*T*P*P]
-    image_grid_thw: torch.Tensor  # [images, 3]
-
-
-@dataclasses.dataclass
-class Batch:
-    """Right-padded rows. ``labels`` are unshifted (HF convention)."""
-
-    input_ids: torch.Tensor  # [B, S]
-    attention_mask: torch.Tensor  # [B, S] 1 = token, 0 = padding
-    mm_token_type_ids: torch.Tensor  # [B, S] 0 text, 1 image
-    labels: torch.Tensor  # [B, S]
-    pixel_values: torch.Tensor  # [patches, C*T*P*P]
-    image_grid_thw: torch.Tensor  # [images, 3]
-
-    def to(self, device: torch.device | str) -> Batch:
-        return Batch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
 
 def text_vocab(model: ModelRecipe) -> int:
@@ -99,26 +70,14 @@ def sample(model: ModelRecipe, data: DataRecipe, index: int) -> Sample:
         pixels.append(torch.randn(t * h * w, row, generator=g))
         grids.append(torch.tensor([grid]).long())
     pieces.append(_text(int(torch.randint(lo, hi + 1, (1,), generator=g)), vocab, g))
-    return Sample(torch.cat(pieces).long(), torch.cat(pixels), torch.cat(grids))
-
-
-def collate(samples: list[Sample], model: ModelRecipe, pad_token_id: int) -> Batch:
-    """Right-pad ``samples`` to the longest one."""
-    width = max(s.input_ids.numel() for s in samples)
-    ids = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(len(samples), width, dtype=torch.long)
-    for b, s in enumerate(samples):
-        ids[b, : s.input_ids.numel()] = s.input_ids
-        mask[b, : s.input_ids.numel()] = 1
-    image = ids == model.image_token_id
-    labels = ids.masked_fill((mask == 0) | (ids >= text_vocab(model)), IGNORE_INDEX)
-    return Batch(
+    ids = torch.cat(pieces).long()
+    return Sample(
         input_ids=ids,
-        attention_mask=mask,
-        mm_token_type_ids=image.int(),
-        labels=labels,
-        pixel_values=torch.cat([s.pixel_values for s in samples]),
-        image_grid_thw=torch.cat([s.image_grid_thw for s in samples]),
+        labels=ids.masked_fill(ids >= vocab, IGNORE_INDEX),
+        mm_token_type_ids=(ids == model.image_token_id).long(),
+        pixel_values=torch.cat(pixels),
+        image_grid_thw=torch.cat(grids),
+        source=f"synthetic:{index}",
     )
 
 
@@ -140,7 +99,7 @@ def rank_samples(model: ModelRecipe, data: DataRecipe, step: int, rank: int, dp:
 def rank_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int, rank: int,
                dp: int) -> Batch:  # fmt: skip
     """Rank ``rank``'s rows of step ``step``, right-padded."""
-    return collate(rank_samples(model, data, step, rank, dp), model, pad_token_id)
+    return collate(rank_samples(model, data, step, rank, dp), pad_token_id)
 
 
 def global_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int,
@@ -148,4 +107,4 @@ def global_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: 
     """All ``dp`` ranks' rows of step ``step`` as one batch (the single-process reference)."""
     n = data.samples_per_rank
     samples = [sample(model, data, offset + step * dp * n + j) for j in range(dp * n)]
-    return collate(samples, model, pad_token_id)
+    return collate(samples, pad_token_id)

@@ -1,0 +1,101 @@
+"""The training loop's data: each step's micro-batches from the synthetic stream (a pure function
+of the step) or from a conversation dataset (:class:`~qwen35_trainer.data.loader.DataStream`,
+whose position travels with the checkpoints as ``data_state.json``: every data-parallel rank's
+cursor, gathered by one all-reduce).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DATA_STATE", "Feed", "StepCounts"]
+
+DATA_STATE = "data_state.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCounts:
+    """How the step's data came (global): the seconds the step waited for it, and with a
+    dataset the rows' fill and the documents over capacity / rows skipped."""
+
+    seconds: float
+    fill: float | None = None
+    over_capacity: int = 0
+    bad_rows: int = 0
+
+
+class Feed:
+    """``step(s)`` → this rank's micro-batches of step ``s`` and the step's counts."""
+
+    def __init__(self, recipe: Any, model, layout, device: torch.device) -> None:
+        self.recipe, self.model, self.layout, self.device = recipe, model, layout, device
+        self.stream = None
+        if recipe.data.dataset:
+            from qwen35_trainer.data.loader import DataStream
+
+            if recipe.train.eval_every and not recipe.data.eval_path:
+                raise ValueError("train.eval_every > 0 needs data.eval_path (held-out rows) "
+                                 "when the run reads a dataset")  # fmt: skip
+            self.stream = DataStream(recipe, model.config, layout, device)
+
+    def step(self, step: int) -> tuple[list, StepCounts]:
+        from qwen35_trainer.step import micro_batches, row_micro_batches
+
+        began = time.perf_counter()
+        if self.stream is None:
+            micro = micro_batches(self.recipe, self.model, self.layout, step, self.device)
+            return micro, StepCounts(time.perf_counter() - began)
+        data = self.stream.next_step()
+        waited = time.perf_counter() - began
+        micro = row_micro_batches(data.rows, self.recipe, self.model, self.layout, self.device)
+        return micro, StepCounts(waited, data.fill, data.truncated + data.dropped, data.skipped)
+
+    def eval_batches(self):
+        """``batches(e)`` for :func:`qwen35_trainer.step.evaluate`: ``None`` (the synthetic
+        held-out stream) or the held-out rows from their start."""
+        if self.stream is None:
+            return None
+        from qwen35_trainer.data.loader import DataStream
+        from qwen35_trainer.step import row_micro_batches
+
+        held_out = DataStream(self.recipe, self.model.config, self.layout, self.device, eval=True)
+
+        def batches(_: int):
+            rows = held_out.next_step().rows
+            return row_micro_batches(rows, self.recipe, self.model, self.layout, self.device)
+
+        return batches
+
+    def state_file(self) -> dict[str, str]:
+        """``{data_state.json: ...}`` for the checkpoint (every rank calls it: one all-reduce),
+        or ``{}`` for the synthetic stream."""
+        if self.stream is None:
+            return {}
+        dp = self.layout.data_size
+        cursors = torch.zeros(dp, dtype=torch.long, device=self.device)
+        cursors[self.layout.data_index] = self.stream.cursor
+        if dist.is_initialized():
+            dist.all_reduce(cursors, op=dist.ReduceOp.MAX)  # CP / TP peers hold the same value
+        return {DATA_STATE: json.dumps({"data_parallel": dp, "cursors": cursors.tolist()})}
+
+    def restore(self, checkpoint: Path) -> None:
+        """Continue the dataset where the checkpoint's run stopped."""
+        if self.stream is None:
+            return
+        file = checkpoint / DATA_STATE
+        if not file.is_file():
+            raise ValueError(f"{checkpoint} has no {DATA_STATE}: it was saved by a run without a "
+                             "dataset, so where to continue in this one is unknown")  # fmt: skip
+        state = json.loads(file.read_text())
+        if state["data_parallel"] != self.layout.data_size:
+            raise ValueError(f"{file}: saved with {state['data_parallel']} data-parallel ranks, "
+                             f"resumed with {self.layout.data_size}; each rank's position in the "
+                             "stream is its own, so resume with the same data parallelism")  # fmt: skip
+        self.stream.load_state_dict({"cursor": state["cursors"][self.layout.data_index]})

@@ -1,0 +1,322 @@
+"""A conversation dataset as this rank's packed rows per step: deterministic, sharded over the
+data-parallel ranks, resumable, read ahead by worker processes.
+
+The global stream: position ``g`` is row ``order_e[g mod N]`` of epoch ``e = g // N``, with
+``order_e`` a permutation seeded by ``(data.seed, e)`` (the file's order with
+``data.shuffle: false``); a ``data.source`` iterable is read in its order, again from the start
+after it ends. Data-parallel rank ``k`` of ``dp`` reads positions ``k, k + dp, k + 2 dp, …``, so
+the ranks' documents partition the stream. Its ``j``-th document is encoded (processor, media,
+M-RoPE positions) by worker ``j mod W``; torch's DataLoader returns the workers' results in that
+round-robin order, so the order does not depend on ``data.workers``.
+
+Packing (:meth:`DataStream.next_step`): each step fills ``data.global_batch / dp`` rows of
+``data.pack_length`` tokens first-fit in stream order; the first document that fits in none of
+them ends the step and opens the next. The loader's whole state is ``j`` of that first unused
+document (the cursor): a run resumed from a checkpoint (which stores every rank's cursor)
+re-encodes from there and packs exactly the rows the uninterrupted run packs.
+
+Documents longer than ``pack_length`` follow ``data.over_capacity``: ``truncate`` keeps the
+longest prefix that does not cut a picture or video apart (media after the cut are dropped with
+their placeholders), ``drop`` leaves the document out; both are counted in the step's metrics and
+logged with the row's name. Bad rows (:class:`~qwen35_trainer.data.conversation.DataError`)
+raise under ``data.on_bad_row: raise`` and are counted and logged under ``skip``. Every rank
+builds its step first, then all agree (one all-reduce on the group's device) whether any rank
+failed: then every rank raises — the failing ranks with their message, the others naming them —
+so a bad row never leaves the other ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from qwen35_trainer.data.batch import IGNORE_INDEX, Sample
+from qwen35_trainer.data.conversation import ConversationEncoder, DataError, TokenIds
+from qwen35_trainer.data.demo import resolve
+
+__all__ = ["DataStream", "StepData", "open_rows", "truncate"]
+
+logger = logging.getLogger("qwen35_trainer")
+MAX_SKIPPED_PER_STEP = 1000
+
+
+def open_rows(path: str, split: str = "train"):
+    """The rows of a JSONL / JSON / Parquet file (or a directory ``datasets`` can load), read
+    with Hugging Face ``datasets`` (memory-mapped Arrow), and the folder media paths are
+    relative to."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    file = Path(path)
+    if not file.exists():
+        raise DataError(f"data file {path} does not exist")
+    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+    try:
+        if file.is_dir():
+            rows = datasets.load_dataset(str(file), split=split)
+            return rows, file
+        if file.suffix not in builders:
+            raise DataError(f"data file {path}: expected .jsonl, .json or .parquet")
+        rows = datasets.load_dataset(builders[file.suffix], data_files=str(file), split="train")
+    except (datasets.exceptions.DatasetGenerationError, ValueError) as error:
+        if isinstance(error, DataError):
+            raise
+        raise DataError(f"data file {path} cannot be read: {error}") from error
+    return rows, file.parent
+
+
+def _user_source(spec: str):
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"data.source must be 'package.module:callable', got {spec!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+class RankDocuments(IterableDataset):
+    """Rank ``rank``'s documents ``j = start, start + 1, …`` as ``(j, Sample or DataError)``."""
+
+    def __init__(self, spec: dict, encoder: ConversationEncoder, rank: int, dp: int, start: int):
+        self.spec, self.encoder = spec, encoder
+        self.rank, self.dp, self.start = rank, dp, start
+
+    def __iter__(self) -> Iterator[tuple[int, Sample | DataError]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        mine = itertools.count(self.start + worker, workers)  # this worker's j
+        if self.spec.get("source"):
+            yield from self._from_source(mine)
+        else:
+            yield from self._from_file(mine)
+
+    def _encode(self, j: int, row: Any, name: str, base: Path):
+        try:
+            return j, self.encoder(row, name, base)
+        except DataError as error:
+            return j, error
+
+    def _from_file(self, mine: Iterator[int]):
+        spec = self.spec
+        rows, base = open_rows(spec["path"], spec.get("split", "train"))
+        n = len(rows)
+        if n == 0:
+            raise DataError(f"data file {spec['path']} has no rows")
+        epoch, order = -1, range(n)
+        for j in mine:
+            e, i = divmod(self.rank + self.dp * j, n)
+            if e != epoch and spec.get("shuffle", True):
+                g = torch.Generator().manual_seed(spec.get("seed", 0) * 1_000_003 + e)
+                order = torch.randperm(n, generator=g).tolist()
+            epoch = e
+            yield self._encode(j, rows[order[i]], f"{spec['path']}:{order[i]}", base)
+
+    def _from_source(self, mine: Iterator[int]):
+        """The iterable's items in order (read again from the start when it ends); every
+        worker reads them all and encodes its own."""
+        spec, make = self.spec, _user_source(self.spec["source"])
+        want, g = next(mine), 0
+        while True:
+            empty = True
+            for row in make():
+                empty = False
+                if g == self.rank + self.dp * want:
+                    yield self._encode(want, row, f"{spec['source']}:{g}", Path.cwd())
+                    want = next(mine)
+                g += 1
+            if empty:
+                raise DataError(f"data.source {spec['source']} yielded no rows")
+
+
+@dataclasses.dataclass
+class StepData:
+    """This rank's rows of one step and the step's global data counts."""
+
+    rows: list[list[Sample]]
+    tokens: int = 0  # document tokens in the step's rows (all ranks)
+    capacity: int = 0  # rows × pack_length (all ranks)
+    truncated: int = 0
+    dropped: int = 0
+    skipped: int = 0
+
+    @property
+    def fill(self) -> float:
+        return self.tokens / self.capacity if self.capacity else 0.0
+
+
+def truncate(sample: Sample, capacity: int, config: Any) -> Sample | None:
+    """The longest prefix of at most ``capacity`` tokens that cuts no picture or video apart;
+    media after the cut go with their placeholders. ``None`` when nothing trainable is left."""
+    from cp_varlen_attn import mrope_positions
+
+    mm = sample.mm_token_type_ids
+    cut = capacity
+    spans = _media_spans(mm, sample)
+    for start, end, _, _ in spans:
+        if start < cut < end:
+            cut = start
+    kept_images = sum(1 for s, e, kind, _ in spans if kind == 1 and e <= cut)
+    kept_videos = sum(1 for s, e, kind, _ in spans if kind == 2 and e <= cut)
+    labels = sample.labels[:cut]
+    if (labels[1:] == IGNORE_INDEX).all():
+        return None
+    images, videos = sample.image_grid_thw[:kept_images], sample.video_grid_thw[:kept_videos]
+    out = Sample(
+        input_ids=sample.input_ids[:cut], labels=labels, mm_token_type_ids=mm[:cut],
+        pixel_values=sample.pixel_values[: int(images.prod(-1).sum())], image_grid_thw=images,
+        pixel_values_videos=sample.pixel_values_videos[: int(videos.prod(-1).sum())],
+        video_grid_thw=videos, source=sample.source,
+    )  # fmt: skip
+    out.position_ids = mrope_positions(config, out.input_ids, out.mm_token_type_ids, images,
+                                       videos)  # fmt: skip
+    return out
+
+
+def _media_spans(mm: torch.Tensor, sample: Sample) -> list[tuple[int, int, int, int]]:
+    """``(start, end, kind, index)`` token span of every image (kind 1) and video (kind 2); a
+    video's span covers all its frames (one run per frame)."""
+    runs = []
+    for kind, group in itertools.groupby(enumerate(mm.tolist()), key=lambda x: x[1]):
+        if kind:
+            group = list(group)
+            runs.append((group[0][0], group[-1][0] + 1, kind))
+    spans, frames = [], sample.video_grid_thw[:, 0].tolist()
+    image = video = 0
+    pending = None
+    for start, end, kind in runs:
+        if kind == 1:
+            spans.append((start, end, 1, image))
+            image += 1
+            continue
+        if pending is None:
+            pending = [start, end, frames[video] if video < len(frames) else 1]
+        pending[1] = end
+        pending[2] -= 1
+        if pending[2] == 0:
+            spans.append((pending[0], pending[1], 2, video))
+            video, pending = video + 1, None
+    return spans
+
+
+class DataStream:
+    """This rank's packed rows, step after step (see the module docstring). ``layout``: the
+    parallel layout (its data-parallel index and size); ``eval``: the held-out stream
+    (``data.eval_path``, in file order, from its start)."""
+
+    def __init__(self, recipe: Any, config: Any, layout: Any, device: torch.device, *,
+                 eval: bool = False) -> None:  # fmt: skip
+        data = recipe.data
+        self.data, self.layout, self.device = data, layout, device
+        model = recipe.model
+        ids = TokenIds(model.image_token_id, model.video_token_id, model.vision_start_token_id,
+                       model.vision_end_token_id)  # fmt: skip
+        self.encoder = ConversationEncoder(resolve(data.processor), ids, config, train_on=data.train_on,
+                                           video_fps=data.video_fps, max_frames=data.max_frames,
+                                           frames_fps=data.frames_fps)  # fmt: skip
+        self.spec = {"path": resolve(data.eval_path if eval else data.path), "source": None if eval else
+                     data.source, "split": data.eval_split if eval else data.split,
+                     "shuffle": data.shuffle and not eval, "seed": data.seed}  # fmt: skip
+        dp = layout.data_size
+        self.rows_per_rank = data.rows_per_step(dp) // dp
+        self.cursor = 0
+        self._iterator = None
+        self._pending: tuple[int, Any] | None = None
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = int(state["cursor"])
+        self._close()
+
+    def _close(self) -> None:
+        self._iterator, self._pending = None, None
+
+    def _next(self) -> tuple[int, Sample | DataError]:
+        if self._pending is not None:
+            item, self._pending = self._pending, None
+            return item
+        if self._iterator is None:
+            docs = RankDocuments(self.spec, self.encoder, self.layout.data_index,
+                                 self.layout.data_size, self.cursor)  # fmt: skip
+            workers = self.data.workers
+            loader = DataLoader(docs, batch_size=None, num_workers=workers,
+                                prefetch_factor=self.data.prefetch if workers else None,
+                                collate_fn=_identity, persistent_workers=False)  # fmt: skip
+            self._iterator = iter(loader)
+        return next(self._iterator)
+
+    def next_step(self) -> StepData:
+        """This rank's rows of the next step (every rank calls it: it agrees on errors)."""
+        capacity = self.data.pack_length
+        rows: list[list[Sample]] = [[] for _ in range(self.rows_per_rank)]
+        room = [capacity] * self.rows_per_rank
+        counts = {"truncated": 0, "dropped": 0, "skipped": 0}
+        error = None
+        while True:
+            j, item = self._next()
+            if isinstance(item, DataError):
+                if self.data.on_bad_row == "raise":
+                    error = str(item)
+                    self.cursor = j
+                    break
+                logger.warning("skipping a bad row: %s", item)
+                counts["skipped"] += 1
+                if counts["skipped"] > MAX_SKIPPED_PER_STEP:
+                    error = f"more than {MAX_SKIPPED_PER_STEP} bad rows in one step; last: {item}"
+                    break
+                continue
+            if len(item) > capacity:
+                kept = (
+                    truncate(item, capacity, self.encoder.config)
+                    if self.data.over_capacity == "truncate"
+                    else None
+                )
+                what = "truncated" if kept is not None else "dropped"
+                logger.warning("%s: %d tokens, more than data.pack_length=%d: %s", item.source,
+                               len(item), capacity, what)  # fmt: skip
+                counts[what] += 1
+                if kept is None:
+                    continue
+                item = kept
+            fits = next((r for r in range(len(rows)) if len(item) <= room[r]), None)
+            if fits is None:
+                self._pending, self.cursor = (j, item), j
+                break
+            rows[fits].append(item)
+            room[fits] -= len(item)
+        tokens = sum(len(s) for row in rows for s in row)
+        totals = self._agree(error, [tokens, capacity * self.rows_per_rank, counts["truncated"],
+                                     counts["dropped"], counts["skipped"]])  # fmt: skip
+        return StepData(rows, *totals)
+
+    def _agree(self, error: str | None, counts: list[int]) -> list[int]:
+        """The step's counts summed over the data ranks, after every rank learnt whether any
+        rank failed (then all raise)."""
+        if not dist.is_initialized():
+            if error:
+                raise DataError(error)
+            return counts
+        world, rank = dist.get_world_size(), dist.get_rank()
+        flags = torch.zeros(world + len(counts), dtype=torch.long, device=self.device)
+        flags[rank] = int(error is not None)
+        flags[world:] = torch.tensor(counts, device=self.device)
+        dist.all_reduce(flags)
+        failed = flags[:world].nonzero().flatten().tolist()
+        if error:
+            raise DataError(error)
+        if failed:
+            raise DataError(f"bad data on rank(s) {failed} (their error names the file and row)")
+        # the CP / TP peers of a data-parallel rank read the same rows: count each group once
+        return (flags[world:] // (world // self.layout.data_size)).tolist()
+
+
+def _identity(x):
+    return x
