@@ -28,3 +28,12 @@ def hf_forward(model, batch, **extra):
         use_cache=False,
         **extra,
     )
+
+
+def demo_recipe(root, *overrides: str):
+    """The tiny recipe, one process, on the demo dataset written under ``root``
+    (:func:`qwen35_trainer.data.demo.make_demo`); ``overrides`` apply last."""
+    return load_recipe(TINY, [*ONE_PROCESS, f"data.path={root}/train.jsonl",
+                              f"data.processor={root}/processor",
+                              f"data.eval_path={root}/heldout.jsonl", "data.workers=0",
+                              *overrides])  # fmt: skip

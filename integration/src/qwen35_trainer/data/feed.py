@@ -1,7 +1,7 @@
 """The training loop's data: each step's micro-batches from the synthetic stream (a pure function
 of the step) or from a conversation dataset (:class:`~qwen35_trainer.data.loader.DataStream`,
-whose position travels with the checkpoints as ``data_state.json``: every data-parallel rank's
-cursor, gathered by one all-reduce).
+whose position travels with the checkpoints as ``data_state.json``: every shard's cursor,
+gathered by one all-reduce).
 """
 
 from __future__ import annotations
@@ -78,12 +78,13 @@ class Feed:
         or ``{}`` for the synthetic stream."""
         if self.stream is None:
             return {}
-        dp = self.layout.data_size
-        cursors = torch.zeros(dp, dtype=torch.long, device=self.device)
-        cursors[self.layout.data_index] = self.stream.cursor
+        state = self.stream.state_dict()
+        cursors = torch.zeros(state["shards"], dtype=torch.long, device=self.device)
+        for shard, j in state["cursors"].items():
+            cursors[shard] = j
         if dist.is_initialized():
-            dist.all_reduce(cursors, op=dist.ReduceOp.MAX)  # CP / TP peers hold the same value
-        return {DATA_STATE: json.dumps({"data_parallel": dp, "cursors": cursors.tolist()})}
+            dist.all_reduce(cursors, op=dist.ReduceOp.MAX)  # each shard is one rank's (or peers')
+        return {DATA_STATE: json.dumps({"shards": state["shards"], "cursors": cursors.tolist()})}
 
     def restore(self, checkpoint: Path) -> None:
         """Continue the dataset where the checkpoint's run stopped."""
@@ -93,9 +94,7 @@ class Feed:
         if not file.is_file():
             raise ValueError(f"{checkpoint} has no {DATA_STATE}: it was saved by a run without a "
                              "dataset, so where to continue in this one is unknown")  # fmt: skip
-        state = json.loads(file.read_text())
-        if state["data_parallel"] != self.layout.data_size:
-            raise ValueError(f"{file}: saved with {state['data_parallel']} data-parallel ranks, "
-                             f"resumed with {self.layout.data_size}; each rank's position in the "
-                             "stream is its own, so resume with the same data parallelism")  # fmt: skip
-        self.stream.load_state_dict({"cursor": state["cursors"][self.layout.data_index]})
+        try:
+            self.stream.load_state_dict(json.loads(file.read_text()))
+        except ValueError as error:
+            raise ValueError(f"{file}: {error}") from error

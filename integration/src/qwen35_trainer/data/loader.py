@@ -1,19 +1,26 @@
-"""A conversation dataset as this rank's packed rows per step: deterministic, sharded over the
-data-parallel ranks, resumable, read ahead by worker processes.
+"""A conversation dataset as this rank's packed rows per step: deterministic, the same global
+step under every layout, sharded over the data-parallel ranks, resumable, read ahead by worker
+processes.
 
 The global stream: position ``g`` is row ``order_e[g mod N]`` of epoch ``e = g // N``, with
 ``order_e`` a permutation seeded by ``(data.seed, e)`` (the file's order with
 ``data.shuffle: false``); a ``data.source`` iterable is read in its order, again from the start
-after it ends. Data-parallel rank ``k`` of ``dp`` reads positions ``k, k + dp, k + 2 dp, …``, so
-the ranks' documents partition the stream. Its ``j``-th document is encoded (processor, media,
-M-RoPE positions) by worker ``j mod W``; torch's DataLoader returns the workers' results in that
-round-robin order, so the order does not depend on ``data.workers``.
+after it ends.
 
-Packing (:meth:`DataStream.next_step`): each step fills ``data.global_batch / dp`` rows of
-``data.pack_length`` tokens first-fit in stream order; the first document that fits in none of
-them ends the step and opens the next. The loader's whole state is ``j`` of that first unused
-document (the cursor): a run resumed from a checkpoint (which stores every rank's cursor)
-re-encodes from there and packs exactly the rows the uninterrupted run packs.
+Shards: a step has ``R = data.global_batch`` rows and the stream is dealt into ``R`` shards,
+shard ``s`` holding positions ``s, s + R, s + 2R, …``; row ``s`` of every step is filled from
+shard ``s`` alone, in order, up to ``data.pack_length`` tokens: the first document that does not
+fit ends the row and opens the shard's row of the next step. Data-parallel rank ``k`` of ``dp``
+owns shards ``k R/dp … (k+1) R/dp - 1``. So the step's rows do not depend on the layout: one
+process reads all ``R`` shards and trains on the same rows as ``dp`` ranks together, which is
+what makes every layout comparable with one process; and each document is read by one data
+rank only. A rank's documents are encoded (processor, media, M-RoPE positions) in position
+order, the ``t``-th by worker ``t mod W``; torch's DataLoader returns the workers' results in that
+round-robin order, so nothing depends on ``data.workers``.
+
+The loader's whole state is, per shard, the index ``j`` of its first unused document (the
+cursor). A checkpoint stores every shard's cursor; a resumed run re-encodes from there and packs
+exactly the rows the uninterrupted run packs — with any data parallelism that divides ``R``.
 
 Documents longer than ``pack_length`` follow ``data.over_capacity``: ``truncate`` keeps the
 longest prefix that does not cut a picture or video apart (media after the cut are dropped with
@@ -27,6 +34,7 @@ so a bad row never leaves the other ranks waiting in a collective.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import itertools
@@ -82,54 +90,64 @@ def _user_source(spec: str):
 
 
 class RankDocuments(IterableDataset):
-    """Rank ``rank``'s documents ``j = start, start + 1, …`` as ``(j, Sample or DataError)``."""
+    """The documents of ``shards`` (of ``count``) from their ``cursors`` on, in position order,
+    as ``(shard, j, Sample or DataError)`` (``j``: the document's index within its shard)."""
 
-    def __init__(self, spec: dict, encoder: ConversationEncoder, rank: int, dp: int, start: int):
+    def __init__(self, spec: dict, encoder: ConversationEncoder, shards: list[int], count: int,
+                 cursors: dict[int, int]) -> None:  # fmt: skip
         self.spec, self.encoder = spec, encoder
-        self.rank, self.dp, self.start = rank, dp, start
+        self.shards, self.count, self.cursors = shards, count, cursors
 
-    def __iter__(self) -> Iterator[tuple[int, Sample | DataError]]:
+    def _positions(self) -> Iterator[tuple[int, int, int]]:
+        """``(shard, j, global position)`` of this reader's documents, increasing."""
+        for j in itertools.count(min(self.cursors.values())):
+            for shard in self.shards:
+                if j >= self.cursors[shard]:
+                    yield shard, j, shard + self.count * j
+
+    def __iter__(self):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        mine = itertools.count(self.start + worker, workers)  # this worker's j
+        mine = itertools.islice(self._positions(), worker, None, workers)
         if self.spec.get("source"):
             yield from self._from_source(mine)
         else:
             yield from self._from_file(mine)
 
-    def _encode(self, j: int, row: Any, name: str, base: Path):
+    def _encode(self, shard: int, j: int, row: Any, name: str, base: Path):
         try:
-            return j, self.encoder(row, name, base)
+            return shard, j, self.encoder(row, name, base)
         except DataError as error:
-            return j, error
+            return shard, j, error
 
-    def _from_file(self, mine: Iterator[int]):
+    def _from_file(self, mine: Iterator[tuple[int, int, int]]):
         spec = self.spec
         rows, base = open_rows(spec["path"], spec.get("split", "train"))
         n = len(rows)
         if n == 0:
             raise DataError(f"data file {spec['path']} has no rows")
         epoch, order = -1, range(n)
-        for j in mine:
-            e, i = divmod(self.rank + self.dp * j, n)
+        for shard, j, position in mine:
+            e, i = divmod(position, n)
             if e != epoch and spec.get("shuffle", True):
                 g = torch.Generator().manual_seed(spec.get("seed", 0) * 1_000_003 + e)
                 order = torch.randperm(n, generator=g).tolist()
             epoch = e
-            yield self._encode(j, rows[order[i]], f"{spec['path']}:{order[i]}", base)
+            yield self._encode(shard, j, rows[order[i]], f"{spec['path']}:{order[i]}", base)
 
-    def _from_source(self, mine: Iterator[int]):
+    def _from_source(self, mine: Iterator[tuple[int, int, int]]):
         """The iterable's items in order (read again from the start when it ends); every
         worker reads them all and encodes its own."""
         spec, make = self.spec, _user_source(self.spec["source"])
-        want, g = next(mine), 0
+        shard, j, want = next(mine)
+        g = 0
         while True:
             empty = True
             for row in make():
                 empty = False
-                if g == self.rank + self.dp * want:
-                    yield self._encode(want, row, f"{spec['source']}:{g}", Path.cwd())
-                    want = next(mine)
+                if g == want:
+                    yield self._encode(shard, j, row, f"{spec['source']}:{g}", Path.cwd())
+                    shard, j, want = next(mine)
                 g += 1
             if empty:
                 raise DataError(f"data.source {spec['source']} yielded no rows")
@@ -217,85 +235,106 @@ class DataStream:
         model = recipe.model
         ids = TokenIds(model.image_token_id, model.video_token_id, model.vision_start_token_id,
                        model.vision_end_token_id)  # fmt: skip
-        self.encoder = ConversationEncoder(resolve(data.processor), ids, config, train_on=data.train_on,
-                                           video_fps=data.video_fps, max_frames=data.max_frames,
+        self.encoder = ConversationEncoder(resolve(data.processor), ids, config,
+                                           train_on=data.train_on, video_fps=data.video_fps,
+                                           max_frames=data.max_frames,
                                            frames_fps=data.frames_fps)  # fmt: skip
-        self.spec = {"path": resolve(data.eval_path if eval else data.path), "source": None if eval else
-                     data.source, "split": data.eval_split if eval else data.split,
+        self.spec = {"path": resolve(data.eval_path if eval else data.path),
+                     "source": None if eval else data.source,
+                     "split": data.eval_split if eval else data.split,
                      "shuffle": data.shuffle and not eval, "seed": data.seed}  # fmt: skip
         dp = layout.data_size
-        self.rows_per_rank = data.rows_per_step(dp) // dp
-        self.cursor = 0
+        self.shard_count = data.rows_per_step(dp)
+        per_rank = self.shard_count // dp
+        self.shards = list(range(layout.data_index * per_rank, (layout.data_index + 1) * per_rank))
+        self.next_j = dict.fromkeys(self.shards, 0)  # per shard: the next document to read
+        self._pending: dict[int, collections.deque] = {s: collections.deque() for s in self.shards}
         self._iterator = None
-        self._pending: tuple[int, Any] | None = None
+
+    @property
+    def cursors(self) -> dict[int, int]:
+        """Per owned shard: the index of its first document not yet in a row."""
+        return {s: self._pending[s][0][0] if self._pending[s] else self.next_j[s]
+                for s in self.shards}  # fmt: skip
 
     def state_dict(self) -> dict:
-        return {"cursor": self.cursor}
+        return {"shards": self.shard_count, "cursors": self.cursors}
 
     def load_state_dict(self, state: dict) -> None:
-        self.cursor = int(state["cursor"])
-        self._close()
+        if state["shards"] != self.shard_count:
+            raise ValueError(f"the data state has {state['shards']} shards (data.global_batch "
+                             f"then), this run {self.shard_count}: resume with the same "
+                             "data.global_batch")  # fmt: skip
+        self.next_j = {s: int(state["cursors"][s]) for s in self.shards}
+        self._pending = {s: collections.deque() for s in self.shards}
+        self._iterator = None
 
-    def _close(self) -> None:
-        self._iterator, self._pending = None, None
-
-    def _next(self) -> tuple[int, Sample | DataError]:
-        if self._pending is not None:
-            item, self._pending = self._pending, None
-            return item
+    def _read(self) -> tuple[int, int, Sample | DataError]:
         if self._iterator is None:
-            docs = RankDocuments(self.spec, self.encoder, self.layout.data_index,
-                                 self.layout.data_size, self.cursor)  # fmt: skip
+            docs = RankDocuments(self.spec, self.encoder, self.shards, self.shard_count,
+                                 dict(self.next_j))  # fmt: skip
             workers = self.data.workers
             loader = DataLoader(docs, batch_size=None, num_workers=workers,
                                 prefetch_factor=self.data.prefetch if workers else None,
-                                collate_fn=_identity, persistent_workers=False)  # fmt: skip
+                                collate_fn=_identity)  # fmt: skip
             self._iterator = iter(loader)
         return next(self._iterator)
 
     def next_step(self) -> StepData:
-        """This rank's rows of the next step (every rank calls it: it agrees on errors)."""
+        """This rank's rows of the next step, in shard order (every rank calls it: the ranks
+        agree on errors and sum the counts)."""
         capacity = self.data.pack_length
-        rows: list[list[Sample]] = [[] for _ in range(self.rows_per_rank)]
-        room = [capacity] * self.rows_per_rank
+        rows = {s: [] for s in self.shards}
+        room = dict.fromkeys(self.shards, capacity)
+        open_ = set(self.shards)
         counts = {"truncated": 0, "dropped": 0, "skipped": 0}
         error = None
-        while True:
-            j, item = self._next()
-            if isinstance(item, DataError):
-                if self.data.on_bad_row == "raise":
-                    error = str(item)
-                    self.cursor = j
-                    break
-                logger.warning("skipping a bad row: %s", item)
-                counts["skipped"] += 1
-                if counts["skipped"] > MAX_SKIPPED_PER_STEP:
-                    error = f"more than {MAX_SKIPPED_PER_STEP} bad rows in one step; last: {item}"
-                    break
+        while open_ and error is None:
+            waiting = [s for s in sorted(open_) if self._pending[s]]
+            if not waiting:  # every open row waits for its shard's next document
+                error = self._take(self._read(), counts)
                 continue
-            if len(item) > capacity:
-                kept = (
-                    truncate(item, capacity, self.encoder.config)
-                    if self.data.over_capacity == "truncate"
-                    else None
-                )
-                what = "truncated" if kept is not None else "dropped"
-                logger.warning("%s: %d tokens, more than data.pack_length=%d: %s", item.source,
-                               len(item), capacity, what)  # fmt: skip
-                counts[what] += 1
-                if kept is None:
-                    continue
-                item = kept
-            fits = next((r for r in range(len(rows)) if len(item) <= room[r]), None)
-            if fits is None:
-                self._pending, self.cursor = (j, item), j
-                break
-            rows[fits].append(item)
-            room[fits] -= len(item)
-        tokens = sum(len(s) for row in rows for s in row)
-        totals = self._agree(error, [tokens, capacity * self.rows_per_rank, counts["truncated"],
+            for s in waiting:
+                item = self._pending[s][0][1]
+                if len(item) <= room[s]:
+                    rows[s].append(item)
+                    room[s] -= len(item)
+                    self._pending[s].popleft()
+                else:
+                    open_.discard(s)
+        tokens = sum(len(d) for row in rows.values() for d in row)
+        totals = self._agree(error, [tokens, capacity * len(self.shards), counts["truncated"],
                                      counts["dropped"], counts["skipped"]])  # fmt: skip
-        return StepData(rows, *totals)
+        return StepData([rows[s] for s in self.shards], *totals)
+
+    def _take(self, read: tuple[int, int, Any], counts: dict[str, int]) -> str | None:
+        """File a document read from shard ``s`` for its row (bad rows and documents over
+        capacity by the policies); the error message under ``on_bad_row: raise``."""
+        shard, j, item = read
+        self.next_j[shard] = j + 1
+        if isinstance(item, DataError):
+            if self.data.on_bad_row == "raise":
+                self.next_j[shard] = j  # not consumed: a resumed run meets it again
+                return str(item)
+            logger.warning("skipping a bad row: %s", item)
+            counts["skipped"] += 1
+            if counts["skipped"] > MAX_SKIPPED_PER_STEP:
+                return f"more than {MAX_SKIPPED_PER_STEP} bad rows in one step; last: {item}"
+            return None
+        capacity = self.data.pack_length
+        if len(item) > capacity:
+            kept = None
+            if self.data.over_capacity == "truncate":
+                kept = truncate(item, capacity, self.encoder.config)
+            what = "truncated" if kept is not None else "dropped"
+            logger.warning("%s: %d tokens, more than data.pack_length=%d: %s", item.source,
+                           len(item), capacity, what)  # fmt: skip
+            counts[what] += 1
+            if kept is None:
+                return None
+            item = kept
+        self._pending[shard].append((j, item))
+        return None
 
     def _agree(self, error: str | None, counts: list[int]) -> list[int]:
         """The step's counts summed over the data ranks, after every rank learnt whether any
