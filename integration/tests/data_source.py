@@ -11,3 +11,11 @@ def rows():
         word = WORDS[i % 4]
         yield {"messages": [{"role": "user", "content": f"what is the opposite of {word}?"},
                             {"role": "assistant", "content": OPPOSITE[word]}]}  # fmt: skip
+
+
+def with_bad_row():
+    """Like :func:`rows`, but position 3 names an image that does not exist."""
+    for i, row in enumerate(rows()):
+        if i == 3:
+            row["messages"][0]["content"] = [{"type": "image", "path": "missing.png"}]
+        yield row

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch.distributed as dist
-from helpers import TINY, tiny
+from helpers import TINY, demo_recipe, tiny
 
 from dist_testkit import assert_close, full
 from qwen35_trainer import load_recipe, train
@@ -216,3 +216,50 @@ def load_peak_rss(overrides, weights: str, window: int) -> dict[str, int]:
     load_hf_weights(model, weights)
     return {"rank": dist.get_rank(), "increase": _status("VmHWM") - before,
             "shards": parameter_bytes(model), "largest_slice": largest}  # fmt: skip
+
+
+# The dataset runs: the demo dataset, 4 packed rows of 128 tokens per step.
+DATASET = ("data.global_batch=4", "data.pack_length=128", f"train.steps={STEPS}",
+           "train.eval_every=0", "model.expert_backend=torch", "train.eps=0.001")  # fmt: skip
+
+
+def check_dataset_layout_equals_one_process(root, overrides, reference_logs, reference_state,
+                                            fields=FIELDS) -> None:  # fmt: skip
+    """The layout ``overrides`` on the demo dataset equals one process: the loader gives every
+    layout the same global step (its rows are dealt to the data ranks). ``fields``: the logged
+    values compared (the aux loss is per micro-batch: not with accumulation)."""
+    result = train(demo_recipe(root, *DATASET, *overrides))
+    assert_same_run(result.logs, reference_logs, result.objective.model.state_dict(),
+                    reference_state, fields=fields)  # fmt: skip
+    assert result.logs[0].fill == reference_logs[0].fill
+
+
+def check_dataset_resume(root, path, reference_logs, reference_state) -> None:
+    """Stopped after 1 step of a DP 2 run and started again: the loader's cursors come back
+    from the checkpoint, and steps 2..3 equal the uninterrupted one-process run."""
+    first = train(demo_recipe(root, *DATASET, "parallel.dp=2", "train.steps=1",
+                              f"train.checkpoint_dir={path}"))  # fmt: skip
+    assert [log.step for log in first.logs] == [1]
+    result = train(demo_recipe(root, *DATASET, "parallel.dp=2", f"train.checkpoint_dir={path}"))
+    assert_same_run(result.logs, reference_logs[1:], result.objective.model.state_dict(),
+                    reference_state)  # fmt: skip
+
+
+def check_bad_row_raises_on_every_rank(root) -> str:
+    """Position 3 of the stream is bad; it is shard 3's, so only rank 1 (of DP 2) reads it:
+    rank 1 raises its message, rank 0 raises naming rank 1 — neither waits in a collective."""
+    from qwen35_trainer.data.conversation import DataError
+
+    recipe = demo_recipe(root, *DATASET, "parallel.dp=2", "data.path=null",
+                         "data.source=data_source:with_bad_row", "data.pack_length=64")  # fmt: skip
+    try:
+        train(recipe)
+    except DataError as error:
+        message = str(error)
+    else:
+        raise AssertionError("the bad row was not reported")
+    if dist.get_rank() == 1:
+        assert "data_source:with_bad_row:3: missing media file" in message, message
+    else:
+        assert "bad data on rank(s) [1]" in message, message
+    return message
