@@ -1,0 +1,95 @@
+"""The built-in demo dataset: ``qwen35-train data make-demo`` / ``data check``, and the tiny
+recipe really learning from it (shortened: one process, 40 steps)."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+from helpers import ONE_PROCESS
+
+from qwen35_trainer import load_recipe, train
+from qwen35_trainer.cli import main
+from qwen35_trainer.data.conversation import ConversationEncoder, TokenIds
+from qwen35_trainer.data.demo import make_demo
+from qwen35_trainer.data.packing import pack, packed_hidden_states
+
+
+def test_make_demo_and_check(tmp_path, capsys):
+    assert main(["data", "make-demo", str(tmp_path), "--train-rows", "30",
+                 "--heldout-rows", "6"]) == 0  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 30 and all("messages" in r for r in rows)
+    kinds = {p["type"] for r in rows for t in r["messages"] if isinstance(t["content"], list)
+             for p in t["content"]}  # fmt: skip
+    assert kinds == {"text", "image", "video"}
+    assert any(isinstance(p.get("path"), str) and p["path"].endswith(".mp4")
+               for r in rows for t in r["messages"] if isinstance(t["content"], list)
+               for p in t["content"])  # fmt: skip
+    sets = [f"data.path={tmp_path}/train.jsonl", f"data.processor={tmp_path}/processor"]
+    capsys.readouterr()
+    assert main(["data", "check", "tiny", *(a for s in sets for a in ("--set", s))]) == 0
+    out = capsys.readouterr().out
+    assert "samples     30 good, 0 bad" in out and "packed rows" in out and "fill" in out
+    with open(tmp_path / "train.jsonl", "a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": [
+            {"type": "image", "path": "images/gone.png"}]},
+            {"role": "assistant", "content": "red"}]}) + "\n")  # fmt: skip
+    assert main(["data", "check", "tiny", *(a for s in sets for a in ("--set", s))]) == 3
+    out = capsys.readouterr().out
+    assert "bad row     " in out and "train.jsonl:30: missing media file" in out
+
+
+def _answer_accuracy(objective, recipe, root) -> tuple[float, float]:
+    """Exact-match accuracy of the trained model's held-out answers (teacher-forced arg-max on
+    every token of the answer before its <|im_end|>), and the most frequent answer's share (what
+    a model that ignores the pictures, videos and questions could reach)."""
+    model = objective.model
+    ids = TokenIds(recipe.model.image_token_id, recipe.model.video_token_id,
+                   recipe.model.vision_start_token_id, recipe.model.vision_end_token_id)  # fmt: skip
+    encoder = ConversationEncoder(str(root / "processor"), ids, model.config)
+    end = encoder.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    right, answers = 0, collections.Counter()
+    with torch.no_grad():
+        for i, line in enumerate((root / "heldout.jsonl").read_text().splitlines()):
+            sample = encoder(json.loads(line), f"heldout.jsonl:{i}", root)
+            batch, packed = pack([sample], model.config, pad_token_id=0)
+            hidden, labels, _ = packed_hidden_states(model.model, batch, packed)
+            labels = labels[0]
+            guess = (hidden[0] @ model.lm_head.weight.T).argmax(-1)
+            at = 0
+            while at < len(labels):
+                if labels[at] == -100 or (at and labels[at - 1] != -100):
+                    at += 1
+                    continue
+                stop = at + int((labels[at:] == end).nonzero()[0])  # the answer: up to <|im_end|>
+                right += bool((guess[at:stop] == labels[at:stop]).all())
+                answers[tuple(labels[at:stop].tolist())] += 1
+                at = stop
+    total = sum(answers.values())
+    return right / total, max(answers.values()) / total
+
+
+def test_tiny_recipe_learns_the_demo_dataset(tmp_path, monkeypatch):
+    monkeypatch.setenv("QWEN35_DEMO_DIR", str(tmp_path / "demo"))
+    recipe = load_recipe("tiny", [*ONE_PROCESS, "train.steps=40", "train.eval_every=40",
+                                  "train.eval_steps=4", "data.workers=1"])  # fmt: skip
+    result = train(recipe)
+    logs = result.logs
+    assert (tmp_path / "demo" / "demo.json").is_file()  # builtin:demo was written on first use
+    first, last = logs[0], logs[-1]
+    assert last.eval_loss < 0.5 * first.ce, (first.ce, last.eval_loss)
+    accuracy, majority = _answer_accuracy(result.objective, recipe, tmp_path / "demo")
+    print(f"held-out loss {first.ce:.3f} -> {last.eval_loss:.3f}; label accuracy "
+          f"{last.eval_accuracy:.3f}; answer accuracy {accuracy:.3f} (majority {majority:.3f})")
+    assert accuracy > 2 * majority, (accuracy, majority)
+    assert all(log.fill > 0.7 for log in logs)
+
+
+@pytest.mark.parametrize("args", [["data"], ["data", "check"]])
+def test_data_command_usage(args, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
