@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from qwen35_trainer.cli import main
 from qwen35_trainer.data.conversation import ConversationEncoder, TokenIds
 from qwen35_trainer.data.demo import make_demo
 from qwen35_trainer.data.packing import pack, packed_hidden_states
+from qwen35_trainer.model import build_config
 
 
 def test_make_demo_and_check(tmp_path, capsys):
@@ -40,6 +42,21 @@ def test_make_demo_and_check(tmp_path, capsys):
     assert main(["data", "check", "tiny", *(a for s in sets for a in ("--set", s))]) == 3
     out = capsys.readouterr().out
     assert "bad row     " in out and "train.jsonl:30: missing media file" in out
+
+
+def test_readme_rows_encode(tmp_path):
+    """The README's example rows (its ``jsonl`` block) are valid rows of the demo's files."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("```jsonl\n", 1)[1].split("```", 1)[0]
+    root = make_demo(tmp_path, train_rows=4, heldout_rows=1)
+    recipe = load_recipe("tiny")
+    ids = TokenIds(recipe.model.image_token_id, recipe.model.video_token_id,
+                   recipe.model.vision_start_token_id, recipe.model.vision_end_token_id)  # fmt: skip
+    encoder = ConversationEncoder(str(root / "processor"), ids, build_config(recipe.model))
+    samples = [encoder(json.loads(line), f"README:{i}", root)
+               for i, line in enumerate(block.splitlines())]  # fmt: skip
+    assert [len(s.image_grid_thw) for s in samples] == [1, 0, 0]
+    assert [len(s.video_grid_thw) for s in samples] == [0, 1, 0]
 
 
 def _answer_accuracy(objective, recipe, root) -> tuple[float, float]:
@@ -82,8 +99,10 @@ def test_tiny_recipe_learns_the_demo_dataset(tmp_path, monkeypatch):
     first, last = logs[0], logs[-1]
     assert last.eval_loss < 0.5 * first.ce, (first.ce, last.eval_loss)
     accuracy, majority = _answer_accuracy(result.objective, recipe, tmp_path / "demo")
-    print(f"held-out loss {first.ce:.3f} -> {last.eval_loss:.3f}; label accuracy "
-          f"{last.eval_accuracy:.3f}; answer accuracy {accuracy:.3f} (majority {majority:.3f})")
+    print(
+        f"held-out loss {first.ce:.3f} -> {last.eval_loss:.3f}; label accuracy "
+        f"{last.eval_accuracy:.3f}; answer accuracy {accuracy:.3f} (majority {majority:.3f})"
+    )
     assert accuracy > 2 * majority, (accuracy, majority)
     assert all(log.fill > 0.7 for log in logs)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import ONE_PROCESS, TINY
+from helpers import ONE_PROCESS, SYNTHETIC, TINY
 
 from dist_testkit import launch
 from qwen35_trainer import load_recipe
@@ -60,7 +60,7 @@ def _measured(overrides):
 def test_predicted_state_bytes_equal_a_real_run(layout):
     """Parameters, gradients and optimizer state per rank: the planner's counts (ranks 0 and 3)
     equal what a real one-step run at world 4 holds, byte for byte."""
-    overrides = SMALL[layout]
+    overrides = (*SYNTHETIC, *SMALL[layout])
     predicted = plan(load_recipe(TINY, overrides)).ranks
     outcomes = launch(_measured, 4, overrides, timeout=300)
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
@@ -92,7 +92,7 @@ def test_predicted_saved_activations_are_within_20_percent(layout, world):
     """The forward's saved tensors (saved_tensors_hooks, storages once, parameters excluded)
     against the planner's activations plus the loss's saved fp32 gradients (its ``loss`` line
     without the one-chunk working set)."""
-    overrides = (*layout, *FIXED)
+    overrides = (*SYNTHETIC, *layout, *FIXED)
     predicted = plan(load_recipe(TINY, overrides)).ranks
     if world == 1:
         measured = {0: _saved(overrides)}

@@ -39,6 +39,7 @@ import dataclasses
 import importlib
 import itertools
 import logging
+import multiprocessing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -274,6 +275,10 @@ class DataStream:
             docs = RankDocuments(self.spec, self.encoder, self.shards, self.shard_count,
                                  dict(self.next_j))  # fmt: skip
             workers = self.data.workers
+            if workers and multiprocessing.current_process().daemon:
+                logger.warning("data.workers=%d: this process is a daemon (it may not start "
+                               "processes), so the documents are read in it", workers)  # fmt: skip
+                workers = 0
             loader = DataLoader(docs, batch_size=None, num_workers=workers,
                                 prefetch_factor=self.data.prefetch if workers else None,
                                 collate_fn=_identity)  # fmt: skip
