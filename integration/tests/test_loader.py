@@ -125,3 +125,41 @@ def test_a_user_iterable_source(demo):
     with pytest.raises(ValueError, match=r"data\.source must be .package\.module:callable."):
         _steps(_stream(demo_recipe(demo, "data.path=null", "data.source=nocolon",
                                    "data.pack_length=64")), 1)  # fmt: skip
+
+
+def test_parquet_files_and_dataset_folders_read_the_same_rows(demo, tmp_path):
+    import datasets
+
+    rows = datasets.load_dataset("json", data_files=str(demo / "train.jsonl"), split="train")
+    rows.to_parquet(str(demo / "train.parquet"))
+    folder = demo / "as_folder"
+    folder.mkdir(exist_ok=True)
+    (folder / "train.jsonl").write_text((demo / "train.jsonl").read_text())
+    sets = ("data.global_batch=2", "data.pack_length=128", "data.shuffle=false")
+    jsonl = _steps(_stream(demo_recipe(demo, *sets)), 2)
+    parquet = _steps(_stream(demo_recipe(demo, *sets, f"data.path={demo}/train.parquet")), 2)
+    assert [[[d.rsplit(":", 1)[1] for d in row] for row in step] for step in parquet] == [
+        [[d.rsplit(":", 1)[1] for d in row] for row in step] for step in jsonl
+    ]
+    # a folder: media paths are relative to it, so copy the rows next to the demo's media
+    with pytest.raises(DataError, match="missing media file"):
+        _steps(_stream(demo_recipe(demo, *sets, f"data.path={folder}")), 1)
+    (tmp_path / "rows.csv").write_text("messages\n")
+    with pytest.raises(DataError, match=r"rows\.csv: expected \.jsonl, \.json or \.parquet"):
+        _steps(_stream(demo_recipe(demo, *sets, f"data.path={tmp_path}/rows.csv")), 1)
+    with pytest.raises(DataError, match=r"data file .*nope\.jsonl does not exist"):
+        _steps(_stream(demo_recipe(demo, *sets, f"data.path={tmp_path}/nope.jsonl")), 1)
+
+
+def test_frame_sampling_follows_the_recipe(demo):
+    """``data.max_frames`` / ``data.video_fps`` override the processor's sampling: the demo's
+    4-frame videos (2 temporal patches) become 2 frames (1 patch)."""
+
+    def videos(*sets):
+        stream = _stream(demo_recipe(demo, "data.global_batch=2", "data.pack_length=256", *sets))
+        return {tuple(g) for _ in range(3) for row in stream.next_step().rows for d in row
+                for g in d.video_grid_thw.tolist()}  # fmt: skip
+
+    assert videos() == {(2, 8, 8)}
+    assert videos("data.max_frames=2") == {(1, 8, 8)}
+    assert videos("data.video_fps=1") == {(1, 8, 8)}

@@ -297,7 +297,12 @@ class DataStream:
         while open_ and error is None:
             waiting = [s for s in sorted(open_) if self._pending[s]]
             if not waiting:  # every open row waits for its shard's next document
-                error = self._take(self._read(), counts)
+                try:
+                    read = self._read()
+                except (DataError, OSError) as failed:  # the file itself: agreed like a row
+                    error = str(failed)
+                    break
+                error = self._take(read, counts)
                 continue
             for s in waiting:
                 item = self._pending[s][0][1]
