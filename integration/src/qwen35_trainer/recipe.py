@@ -58,7 +58,8 @@ class DataRecipe:
 
     Dataset (:mod:`qwen35_trainer.data.loader`): ``path`` a JSONL / Parquet file of
     ``messages`` rows (or a folder ``datasets`` loads, with ``split``), or ``source`` a
-    ``"package.module:callable"`` returning an iterable of such rows; ``processor`` the
+    ``"package.module:callable"`` returning an iterable of such rows (imported and called: a
+    recipe that names one runs that code); ``processor`` the
     transformers processor directory (``builtin:demo/...`` paths name the demo dataset,
     :mod:`qwen35_trainer.data.demo`, written on first use); ``eval_path`` / ``eval_split`` the
     held-out rows; ``train_on`` ``assistant`` (SFT) or ``all``; ``global_batch`` packed rows of
