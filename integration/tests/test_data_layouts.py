@@ -42,7 +42,7 @@ def launch(tmp_path_factory):
         assert result.logs[-1].loss < result.logs[0].loss
         references[aux] = (
             result.logs,
-            {k: v.detach().clone() for k, v in result.objective.model.state_dict().items()},
+            result.state_dict(),
         )
     checks = {
         name: named_check(name, check_dataset_layout_equals_one_process, str(root), overrides,

@@ -19,7 +19,7 @@ def test_eval_loss_is_transformers_loss_on_the_held_out_batch():
     assert [log.eval_loss is not None for log in result.logs] == [False, True, True]
     config = build_config(recipe.model)  # transformers' own attention, not the packed one
     reference = transformers.Qwen3_5MoeForConditionalGeneration(config)
-    reference.load_state_dict(result.objective.model.state_dict())
+    reference.load_state_dict(result.state_dict())
     batch = global_batch(recipe.model, recipe.data, config.text_config.pad_token_id, step=0,
                          dp=1, offset=HELD_OUT_INDEX)  # fmt: skip
     train_batch = global_batch(recipe.model, recipe.data, config.text_config.pad_token_id, 0, 1)

@@ -35,7 +35,7 @@ def test_export_after_training_loads_in_transformers(tmp_path):
     result = train(r)
     assert "cp_varlen_attn" not in (tmp_path / "config.json").read_text()
     loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path)
-    trained = result.objective.model.state_dict()
+    trained = result.state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
     fresh = build_model(tiny(f"model.weights={tmp_path}").model)  # ours, unadapted
     batch = global_batch(r.model, r.data, 0, step=5, dp=1)
@@ -63,7 +63,7 @@ def test_export_command_writes_a_training_checkpoint_for_transformers(tmp_path, 
     assert main(["export", "tiny", str(ckpt), str(out)]) == 0
     assert f"exported step 2 of {ckpt / 'step_000002'}" in capsys.readouterr().out
     loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(out)
-    trained = result.objective.model.state_dict()
+    trained = result.state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
 
 

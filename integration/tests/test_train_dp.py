@@ -119,8 +119,7 @@ def references():
     for name, overrides in VARIANTS.items():
         result = train(layout_recipe(1, *overrides))
         # one-process bf16 runs FSDP2 on a one-rank group: its DTensors' local part is whole
-        state = {k: getattr(v, "_local_tensor", v).detach().float().clone()
-                 for k, v in result.objective.model.state_dict().items()}  # fmt: skip
+        state = {k: v.detach().float().clone() for k, v in result.state_dict().items()}
         assert len(result.logs) == STEPS and result.logs[-1].loss < result.logs[0].loss
         out[name] = (result.logs, state)
     return out

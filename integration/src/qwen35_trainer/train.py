@@ -13,10 +13,11 @@ the same number on every rank (:func:`fsdp_compat.clip_grad_norm`), and the opti
 (:func:`safe_optim.build_optimizer`, safe with empty local shards) updates each shard as the
 single process updates the whole tensor.
 
-``train.dtype: bfloat16``: FSDP2 mixed precision (bf16 parameters and compute, fp32 sharded
-master weights, fp32 reduction). One process then runs the same FSDP2 code on a one-rank
-process group made here (and destroyed at the end), so one process and every layout round
-alike.
+One process is the same program: it runs on a one-rank process group made here (kept for the
+life of the process, so the returned model's DTensor parameters stay usable), through the same
+meshes and FSDP2 wrapping as any layout. ``train.dtype: bfloat16``: FSDP2 mixed precision (bf16
+parameters and compute, fp32 sharded master weights, fp32 reduction), so one process and
+every layout round alike.
 
 The logged loss is the sum of the shares over the loss group (one all-reduce), i.e. the global
 batch's loss, identical on every rank. The loop is made of units a test or a user can drive:
@@ -107,12 +108,19 @@ class StepLog:
 
 @dataclasses.dataclass
 class TrainResult:
-    """The step logs, the trained objective (its parameters are DTensor shards when
-    distributed) and its optimizer (with this rank's state)."""
+    """The step logs, the trained objective (its parameters are DTensors: shards on this
+    rank's meshes, whole on one process's one-rank group) and its optimizer (with this rank's
+    state)."""
 
     logs: list[StepLog]
     objective: TrainingObjective
     optimizer: torch.optim.Optimizer | None = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained model's state as plain, whole tensors (each DTensor shard gathered; under
+        a launch every rank must call it), in transformers' names."""
+        return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+                for name, value in self.objective.model.state_dict().items()}  # fmt: skip
 
 
 def _device() -> torch.device:
@@ -123,28 +131,26 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _init_distributed(one_rank_group: bool) -> bool:
-    """Create the process group under torchrun, or a one-rank group when asked; returns
-    whether it was made here for one process (to destroy at the end)."""
+def _init_distributed() -> None:
+    """Create the process group under torchrun, or a one-rank group for one process. The
+    one-rank group stays for the life of the process (the trained model's parameters are
+    DTensors on it, usable after ``train`` returns; a later ``train`` reuses it)."""
     if dist.is_initialized():
-        return False
+        return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if attempt is None:
             dist.init_process_group(backend)
-            return False
+            return
         # Restarted workers share the elastic agent's store with the attempt before them, whose
         # keys (a rank's address, under the same group names) are still there: each attempt
         # gets its own key prefix, so no worker reads a dead worker's address.
         store, rank, world = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"qwen35_trainer/attempt_{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-        return False
-    if not one_rank_group:
-        return False
+        return
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return True
 
 
 def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -> TrainResult:
@@ -156,12 +162,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         check_layout(recipe.parallel, world, packing=recipe.data.packing)
-    own_group = _init_distributed(one_rank_group=bf16)
-    try:
-        return _train(recipe, on_step, bf16)
-    finally:
-        if own_group:
-            dist.destroy_process_group()
+    _init_distributed()
+    return _train(recipe, on_step, bf16)
 
 
 def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
@@ -177,7 +179,7 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
         packing=recipe.data.packing,
         activation_checkpointing=recipe.train.activation_checkpointing,
         param_dtype=torch.bfloat16 if bf16 else None,
-        force_fsdp=bf16,
+        force_fsdp=True,
     )
     materialize(model, device, seed=recipe.train.seed, weights=recipe.model.weights)
     spec = recipe.train

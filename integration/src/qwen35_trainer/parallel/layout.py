@@ -86,7 +86,8 @@ def parallelize(
 ) -> Layout:
     """Build the meshes of the recipe's layout, apply TP, EP, AC and FSDP2 in place; returns
     this rank's :class:`Layout`. One process: only activation checkpointing (and no meshes),
-    unless ``force_fsdp`` (a one-rank process group exists: mixed precision through FSDP2)."""
+    unless ``force_fsdp`` (a one-rank process group exists: the trainer's one process runs the
+    same FSDP2 program as every layout)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = check_layout(spec, world, packing=packing)
     if world == 1 and not force_fsdp:
