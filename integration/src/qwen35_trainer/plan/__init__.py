@@ -119,7 +119,7 @@ def _rank_plan(recipe, world: int, rank: int):
         bf16 = recipe.train.dtype == "bfloat16"
         parallelize(objective, recipe.parallel, torch.device("cpu"), packing=recipe.data.packing,
                     activation_checkpointing=recipe.train.activation_checkpointing,
-                    param_dtype=torch.bfloat16 if bf16 else None, force_fsdp=bf16)  # fmt: skip
+                    param_dtype=torch.bfloat16 if bf16 else None, force_fsdp=True)  # fmt: skip
         units = [m for m in model.modules()
                  if any(c.__name__ in FSDP_UNITS for c in type(m).__mro__)]  # fmt: skip
         shape = row_shape(recipe, dims.cp)
