@@ -1,12 +1,27 @@
 """The data stage: documents from the synthetic stream or a conversation dataset (through the
 model's processor), packed into rows, sharded over the data-parallel ranks, resumable.
 
-- :mod:`~qwen35_trainer.data.batch`: :class:`Sample` (one document) and :class:`Batch` (rows);
+- :mod:`~qwen35_trainer.data.batch`: :class:`Sample` (one document), :class:`Batch` (rows),
+  :class:`DataError`;
 - :mod:`~qwen35_trainer.data.synthetic`: the seeded synthetic stream;
+- :mod:`~qwen35_trainer.data.conversation`: conversation rows through the processor (masking);
+- :mod:`~qwen35_trainer.data.media`: images and videos read for the processor;
+- :mod:`~qwen35_trainer.data.loader`: the sharded, resumable, worker-parallel packed stream;
 - :mod:`~qwen35_trainer.data.packing`: documents into one packed row, the packed forward;
+- :mod:`~qwen35_trainer.data.feed`: each step's micro-batches for the loop, the loader's
+  checkpointed state;
+- :mod:`~qwen35_trainer.data.demo`: the built-in demo dataset and its processor directory;
+- :mod:`~qwen35_trainer.data.command`: ``qwen35-train data make-demo | check``.
 """
 
-from qwen35_trainer.data.batch import IGNORE_INDEX, MEDIA_FIELDS, Batch, Sample, collate
+from qwen35_trainer.data.batch import (
+    IGNORE_INDEX,
+    MEDIA_FIELDS,
+    Batch,
+    DataError,
+    Sample,
+    collate,
+)
 from qwen35_trainer.data.synthetic import (
     HELD_OUT_INDEX,
     global_batch,
@@ -21,6 +36,7 @@ __all__ = [
     "IGNORE_INDEX",
     "MEDIA_FIELDS",
     "Batch",
+    "DataError",
     "Sample",
     "collate",
     "global_batch",

@@ -1,5 +1,5 @@
 """What the data stage hands the model: one document (:class:`Sample`) and right-padded rows of
-documents (:class:`Batch`).
+documents (:class:`Batch`); and the error a bad row raises (:class:`DataError`).
 
 Legend: ``S`` tokens of a document or row, ``B`` rows, ``P`` patch rows of the media (one per
 ``[t, h, w]`` grid cell, ``C*T*P*P`` pixel values each, as the Qwen3.5 processor emits them),
@@ -14,12 +14,16 @@ import dataclasses
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "MEDIA_FIELDS", "Batch", "Sample", "collate"]
+__all__ = ["IGNORE_INDEX", "MEDIA_FIELDS", "Batch", "DataError", "Sample", "collate"]
 
 IGNORE_INDEX = -100
 
 # The media tensors of a Sample / Batch: concatenated over documents in order.
 MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+class DataError(ValueError):
+    """A bad row or data file: the message names the file and row."""
 
 
 def _no_rows(row: int = 0) -> torch.Tensor:

@@ -30,16 +30,13 @@ from typing import Any
 
 import torch
 
-from qwen35_trainer.data.batch import IGNORE_INDEX, Sample
+from qwen35_trainer.data.batch import IGNORE_INDEX, DataError, Sample
+from qwen35_trainer.data.media import frame_list_video, open_image, video_file
 
 __all__ = ["ConversationEncoder", "DataError", "TokenIds", "check_messages"]
 
 ROLES = ("system", "user", "assistant")
 PART_TYPES = ("text", "image", "video")
-
-
-class DataError(ValueError):
-    """A bad row: the message names the file and row (``source``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +183,7 @@ class ConversationEncoder:
                 continue
             for part in turn["content"]:
                 if part["type"] == "image":
-                    images.append(_open_image(base, part["path"], where))
+                    images.append(open_image(base, part["path"], where))
                 elif part["type"] == "video":
                     frames, meta = self._video(base, part, where)
                     videos.append(frames)
@@ -194,19 +191,11 @@ class ConversationEncoder:
         return images, videos, metadata
 
     def _video(self, base: Path, part: dict, where: str):
-        from qwen35_trainer.data.media import frame_list_video, video_file
-
         sample = self.processor.video_processor.sample_frames
         if isinstance(part["path"], list):
             fps = float(part.get("fps", self.frames_fps))
             return frame_list_video(base, part["path"], fps, sample, self.video_fps, where)
         return video_file(base, part["path"], sample, self.video_fps, where)
-
-
-def _open_image(base: Path, path: str, where: str):
-    from qwen35_trainer.data.media import open_image
-
-    return open_image(base, path, where)
 
 
 def load_processor(folder: str, ids: TokenIds, config: Any):

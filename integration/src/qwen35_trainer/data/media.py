@@ -1,8 +1,8 @@
 """Reading media for the processor: images with Pillow, videos as frame-image lists or video
 files decoded with PyAV. Only the frames the processor's sampler picks are kept; the metadata
 handed on (``fps``, ``frames_indices``) is what Qwen3.5's processor turns into frame timestamps.
-Every failure raises :class:`~qwen35_trainer.data.conversation.DataError` naming the row and the
-media file.
+Every failure raises :class:`~qwen35_trainer.data.batch.DataError` naming the row and the media
+file.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
+from qwen35_trainer.data.batch import DataError
+
 __all__ = ["frame_list_video", "open_image", "video_file"]
 
 
-def _error(where: str, path: Path, what: str):
-    from qwen35_trainer.data.conversation import DataError
-
+def _error(where: str, path: Path, what: str) -> DataError:
     return DataError(f"{where}: {what} {path}")
 
 
