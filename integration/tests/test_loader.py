@@ -163,3 +163,12 @@ def test_frame_sampling_follows_the_recipe(demo):
     assert videos() == {(2, 8, 8)}
     assert videos("data.max_frames=2") == {(1, 8, 8)}
     assert videos("data.video_fps=1") == {(1, 8, 8)}
+
+
+def test_rows_must_split_evenly_into_micro_batches(demo):
+    recipe = demo_recipe(demo, "data.global_batch=2", "data.pack_length=128",
+                         "train.grad_accum_steps=3", "train.steps=1")  # fmt: skip
+    with pytest.raises(ValueError, match=r"packed rows per rank \(data\.global_batch / data-par"
+                                         r"allel ranks\)=2 must be a multiple of train\.grad_acc"
+                                         r"um_steps=3"):  # fmt: skip
+        train(recipe)

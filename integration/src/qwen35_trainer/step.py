@@ -58,44 +58,42 @@ def micro_batches(recipe: Any, model, layout: Layout, step: int, device: torch.d
     for held-out batches)."""
     samples = rank_samples(recipe.model, recipe.data, step, layout.data_index, layout.data_size,
                            offset=offset)  # fmt: skip
-    n = recipe.train.grad_accum_steps
-    if len(samples) % n:
-        raise ValueError(
-            f"data.samples_per_rank={len(samples)} must be a multiple of "
-            f"train.grad_accum_steps={n} (each micro-batch takes the same number of samples)"
-        )
-    pad = model.config.text_config.pad_token_id
-    size = len(samples) // n
-    out = []
-    for first in range(0, len(samples), size):
-        part = samples[first : first + size]
-        if recipe.data.packing:
-            batch, packed = pack(part, model.config, pad, cp=layout.cp, group=layout.cp_group,
-                                 capacity=recipe.data.pack_length)  # fmt: skip
-            out.append((batch.to(device), packed.to(device)))
-        else:
-            out.append((collate(part, pad).to(device), None))
-    return out
+    parts = _split(samples, recipe.train.grad_accum_steps, "data.samples_per_rank", "samples")
+    return _micro(parts, recipe, model, layout, device, recipe.data.pack_length)
 
 
 def row_micro_batches(rows: list, recipe: Any, model, layout: Layout, device: torch.device):
     """This rank's ``(batch, packed inputs)`` per micro-batch of a dataset step: its packed
     ``rows`` (:meth:`qwen35_trainer.data.loader.DataStream.next_step`) split evenly over
     ``train.grad_accum_steps`` micro-batches, a micro-batch's rows packed as one sequence."""
-    n = recipe.train.grad_accum_steps
-    if len(rows) % n:
-        raise ValueError(
-            f"{len(rows)} packed rows per rank (data.global_batch / data-parallel ranks) must be "
-            f"a multiple of train.grad_accum_steps={n}"
-        )
+    parts = _split(rows, recipe.train.grad_accum_steps,
+                   "packed rows per rank (data.global_batch / data-parallel ranks)", "rows")  # fmt: skip
+    docs = [[doc for row in part for doc in row] for part in parts]
+    return _micro(docs, recipe, model, layout, device, len(parts[0]) * recipe.data.pack_length)
+
+
+def _split(items: list, n: int, what: str, unit: str) -> list[list]:
+    """``items`` in ``n`` equal consecutive parts (one per micro-batch)."""
+    if len(items) % n:
+        raise ValueError(f"{what}={len(items)} must be a multiple of train.grad_accum_steps={n} "
+                         f"(each micro-batch takes the same number of {unit})")  # fmt: skip
+    size = len(items) // n
+    return [items[first : first + size] for first in range(0, len(items), size)]
+
+
+def _micro(parts: list[list], recipe: Any, model, layout: Layout, device: torch.device,
+           capacity: int | None) -> list:  # fmt: skip
+    """Each part's documents as one packed row (``capacity`` tokens at most), or right-padded
+    rows without ``data.packing``, on ``device``."""
     pad = model.config.text_config.pad_token_id
-    size = len(rows) // n
     out = []
-    for first in range(0, len(rows), size):
-        docs = [doc for row in rows[first : first + size] for doc in row]
-        batch, packed = pack(docs, model.config, pad, cp=layout.cp, group=layout.cp_group,
-                             capacity=size * recipe.data.pack_length)  # fmt: skip
-        out.append((batch.to(device), packed.to(device)))
+    for docs in parts:
+        if recipe.data.packing:
+            batch, packed = pack(docs, model.config, pad, cp=layout.cp, group=layout.cp_group,
+                                 capacity=capacity)  # fmt: skip
+            out.append((batch.to(device), packed.to(device)))
+        else:
+            out.append((collate(docs, pad).to(device), None))
     return out
 
 
