@@ -88,12 +88,14 @@ def check_vocab_parallel_parity():
 
 def check_vocab_parallel_three_matmuls():
     """Gradients in forward on the TP path: exactly 3 matmuls per chunk in the forward and none
-    in the backward (recompute: 1 + 3), and the unsharded loss and gradients."""
+    in the backward (recompute: 1 + 3), with the FLOPs of 3 (1 + 3) products of the shard, and
+    the unsharded loss and gradients."""
     mesh = make_mesh((dist.get_world_size(),), ("tp",))
     hidden, weight, b, labels = make_inputs(23, 8, 29, seed=3, ignore_frac=0.3)
-    chunks = -(-int((labels != -100).sum()) // 4)
+    valid = int((labels != -100).sum())
+    chunks = -(-valid // 4)
     ref_loss, ref_grads = reference(hidden, weight, labels, bias=b)
-    counts = []
+    counts, flops = [], []
     for gif in (True, False):
         w_dt = nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
         b_dt = nn.Parameter(distribute_tensor(b, mesh, [Shard(0)]))
@@ -105,11 +107,15 @@ def check_vocab_parallel_three_matmuls():
         with MatmulCounter() as bwd:
             loss.backward()
         counts.append((fwd.count, bwd.count))
+        flops.append((fwd.flops, bwd.flops))
         assert_close(loss, ref_loss, name=f"loss gif={gif}", **TOL)
         assert_close(h.grad, ref_grads[0], name=f"grad_hidden gif={gif}", **TOL)
         assert_close(full(w_dt.grad), ref_grads[1], name=f"grad_weight gif={gif}", **TOL)
         assert_close(full(b_dt.grad), ref_grads[2], name=f"grad_bias gif={gif}", **TOL)
     assert counts == [(3 * chunks, 0), (chunks, 3 * chunks)], (counts, chunks)
+    # and exactly that work: each matmul is one [valid, H] x [H, V_r] product of this shard
+    product = 2 * valid * 8 * w_dt.to_local().shape[0]
+    assert flops == [(3 * product, 0), (product, 3 * product)], (flops, product)
     return counts
 
 

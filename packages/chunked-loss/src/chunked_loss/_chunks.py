@@ -1,16 +1,16 @@
-"""What both loss paths share: options, the rows that are computed, and the three matmuls.
+"""What both loss paths share: options, the rows that are computed, the block, the buffers.
 
 Only non-ignored tokens are computed: an ignored token's loss is 0 and all its gradients are 0 by
 definition, so its row of ``hidden`` never enters a matmul (``Rows``: the indices of the valid
 tokens, found with one host sync). The chunks are ``chunk_size`` consecutive VALID rows, gathered
 from ``hidden`` ([C, H] copies) and scattered back into ``∂hidden``.
 
-Per chunk, ``chunk_logits`` writes ``z = h W^T + b`` into one fp32 [C, V] block allocated once
-per call (``Blocks``; a fresh multi-hundred-MiB block per chunk would be page-faulted in every
-time) plus once for a shorter tail, the
-kernels of ``_kernels`` turn it into ``∂loss/∂z`` in place, and ``accumulate`` contracts it:
-``∂h[rows] = dz W`` (in hidden's dtype), ``∂W += dzᵀ h`` and ``∂b += Σ_rows dz`` (fp32). That is
-three matmuls per chunk: ``chunk_logits`` and the two of ``accumulate``.
+Per chunk, ``_matmul.chunk_logits`` writes ``z = h W^T + b`` into one fp32 [C, V] block
+allocated once per call (``Blocks``; a fresh multi-hundred-MiB block per chunk would be
+page-faulted in every time) plus once for a shorter tail, the kernels of ``_kernels`` turn it
+into ``∂loss/∂z`` in place, and ``_matmul.accumulate`` contracts it into the gradient buffers of
+``grad_buffers``: ``∂h[rows] = dz W`` (in hidden's dtype), ``∂W += dzᵀ h`` and
+``∂b += Σ_rows dz`` (fp32).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-__all__ = ["Blocks", "Rows", "Spec", "accumulate", "chunk_logits", "grad_buffers"]
+__all__ = ["Blocks", "Rows", "Spec", "grad_buffers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,16 +95,6 @@ class Blocks:
         return self._block
 
 
-def chunk_logits(block_CV, hidden_CH, weight_VH, bias_V) -> torch.Tensor:
-    """``hidden_CH @ weight_VH.T + bias_V`` in fp32, written into ``block_CV`` (low-precision
-    inputs: the matmul runs in their dtype, as ``F.linear`` does, then upcasts)."""
-    if weight_VH.dtype != torch.float32:
-        return block_CV.copy_(torch.nn.functional.linear(hidden_CH, weight_VH, bias_V))
-    if bias_V is None:
-        return torch.mm(hidden_CH, weight_VH.t(), out=block_CV)
-    return torch.addmm(bias_V, hidden_CH, weight_VH.t(), out=block_CV)
-
-
 def grad_buffers(hidden_NH, weight_VH, need_h: bool, need_w: bool, need_b: bool):
     """Zeroed gradient accumulators: hidden in its own dtype, weight and bias in fp32 (None where
     no gradient is needed)."""
@@ -113,13 +103,3 @@ def grad_buffers(hidden_NH, weight_VH, need_h: bool, need_w: bool, need_b: bool)
     grad_w32 = torch.zeros(weight_VH.shape, **f32) if need_w else None
     grad_b32 = torch.zeros(weight_VH.shape[0], **f32) if need_b else None
     return grad_h, grad_w32, grad_b32
-
-
-def accumulate(dz_CV, hidden_CH, rows_C, weight_VH, grad_h, grad_w32, grad_b32) -> None:
-    """The two gradient matmuls of one chunk (and the bias sum)."""
-    if grad_h is not None:
-        grad_h.index_copy_(0, rows_C, dz_CV.to(weight_VH.dtype) @ weight_VH)
-    if grad_w32 is not None:
-        grad_w32.addmm_(dz_CV.t(), hidden_CH.float())
-    if grad_b32 is not None:
-        grad_b32 += dz_CV.sum(dim=0)

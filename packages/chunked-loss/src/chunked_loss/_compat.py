@@ -1,17 +1,27 @@
 """The private torch internals this package relies on, reached in one place.
 
-Only the compiled per-chunk kernels (``_kernels``) use them: the exception class that
-``torch.compile`` raises when it cannot trace or build a kernel, whether Inductor supports this
-Python/platform at all, the process-wide "compile disabled" switch, and whether a
-``TorchDispatchMode`` is active (Dynamo does not compile under one). Each is looked up on
-first use with a message naming what is missing, so a torch that moved them fails loudly.
+The compiled per-chunk kernels (``_kernels``) use: the exception class that ``torch.compile``
+raises when it cannot trace or build a kernel, whether Inductor supports this Python/platform at
+all, the process-wide "compile disabled" switch, and whether a ``TorchDispatchMode`` is active
+(Dynamo does not compile under one). Each is looked up on first use with a message naming what
+is missing, so a torch that moved them fails loudly. The CPU matmuls (``_matmul``) use oneDNN's
+linear op, which a torch build may lack: its absence is an answer (None), not an error.
 """
 
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["compile_disabled", "compile_errors", "dispatch_mode_active", "inductor_supported"]
+import torch
+
+__all__ = [
+    "compile_disabled",
+    "compile_errors",
+    "dispatch_mode_active",
+    "inductor_supported",
+    "no_dispatch_modes",
+    "onednn_linear",
+]
 
 
 def _attr(module: str, name: str):
@@ -41,3 +51,19 @@ def compile_disabled() -> bool:
 def dispatch_mode_active() -> bool:
     """A user ``TorchDispatchMode`` (e.g. a FLOP counter) is on the stack."""
     return _attr("torch.utils._python_dispatch", "_get_current_dispatch_mode")() is not None
+
+
+def no_dispatch_modes():
+    """A context that hides the active ``TorchDispatchMode``s (e.g. from a one-time probe)."""
+    return _attr("torch.utils._python_dispatch", "_disable_current_modes")()
+
+
+def onednn_linear():
+    """``torch.ops.mkldnn._linear_pointwise`` (``(x [M, K], w [N, K], b [N] | None, "none", [],
+    "") -> x wᵀ + b`` on CPU), or None when this build has no oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None

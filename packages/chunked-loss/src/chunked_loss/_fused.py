@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from chunked_loss._checks import forbid_double_backward
-from chunked_loss._chunks import Blocks, Rows, Spec, accumulate, chunk_logits, grad_buffers
+from chunked_loss._chunks import Blocks, Rows, Spec, grad_buffers
 from chunked_loss._kernels import dlogits_, row_stats, softmax_dlogits_
+from chunked_loss._matmul import accumulate, chunk_logits
 from chunked_loss._vocab_parallel import combine_lse
 
 __all__ = ["FusedLinearCrossEntropyFunction"]
