@@ -3,7 +3,9 @@
 Variants (``--variants`` picks a subset):
 - ``naive``: ``F.cross_entropy((h @ w.T).float(), y)`` on full logits;
 - ``chunked-loss``: ``chunked_loss.linear_cross_entropy`` as shipped (gradients in forward,
-  compiled per-chunk kernels); ``chunked-loss-eager``: the same with ``compiled=False``;
+  compiled per-chunk kernels, oneDNN matmuls on CPU); ``chunked-loss-eager``: the same with
+  ``compiled=False``; ``chunked-loss-aten``: the same with ``CHUNKED_LOSS_CPU_MATMUL=aten``
+  (the CPU matmuls on aten's mm, MKL, as every peer's are; CPU only);
   ``recompute``: ``grad_in_forward=False`` (not run by default);
 - ``torchtitan``: ``torchtitan.components.loss.ChunkedLossWrapper`` (8 chunks, its default)
   around an ``nn.Linear`` lm_head holding the same weight;
@@ -50,7 +52,18 @@ MIB = 1 << 20
 FREE_FRACTION = 0.7
 PEERS = ("torchtitan", "torchtune", "cce", "cce-triton", "liger")
 GPU_ONLY = ("cce-triton", "liger")
-DEFAULT = ("naive", "chunked-loss", "chunked-loss-eager", "torchtitan", "torchtune", "cce")
+DEFAULT = (
+    "naive",
+    "chunked-loss",
+    "chunked-loss-eager",
+    "chunked-loss-aten",
+    "torchtitan",
+    "torchtune",
+    "cce",
+)
+# Environment a variant's subprocess runs with.
+ENVIRONMENT = {"chunked-loss-aten": {"CHUNKED_LOSS_CPU_MATMUL": "aten"}}
+CPU_ONLY = ("chunked-loss-aten",)  # the same code as "chunked-loss" on a GPU
 
 
 def naive(h, w, y):
@@ -98,6 +111,7 @@ VARIANTS = {
     "naive": naive,
     "chunked-loss": chunked,
     "chunked-loss-eager": lambda h, w, y: chunked(h, w, y, compiled=False),
+    "chunked-loss-aten": chunked,  # with ENVIRONMENT's backend choice
     "recompute": lambda h, w, y: chunked(h, w, y, grad_in_forward=False),
     "torchtitan": torchtitan,
     "torchtune": torchtune,
@@ -113,6 +127,7 @@ VARIANTS = {
 PRELOAD = {
     "chunked-loss": ("chunked_loss", "torch._inductor.compile_fx"),
     "chunked-loss-eager": ("chunked_loss",),
+    "chunked-loss-aten": ("chunked_loss", "torch._inductor.compile_fx"),
     "recompute": ("chunked_loss", "torch._inductor.compile_fx"),
     "torchtitan": ("torchtitan.components.loss",),
     "torchtune": ("torchtune.modules.loss",),
@@ -202,7 +217,8 @@ def run_variant(args, variant: str, n: int, h_dim: int) -> dict:
     cmd += ["--hidden", str(h_dim), "--vocab", str(args.vocab), "--device", args.device]
     cmd += ["--dtype", args.dtype, "--threads", str(args.threads)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        env = {**os.environ, **ENVIRONMENT.get(variant, {})}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
     if proc.returncode != 0:
@@ -215,6 +231,8 @@ def unavailable(variant: str, device: str) -> str | None:
     """Why a variant cannot run here (not installed, needs a GPU), or None."""
     if variant in GPU_ONLY and not device.startswith("cuda"):
         return "needs a GPU (Triton kernels)"
+    if variant in CPU_ONLY and device.startswith("cuda"):
+        return "the same as chunked-loss on a GPU (aten matmuls there)"
     if variant not in PEERS:
         return None
     probe = [sys.executable, "-c", f"import {PRELOAD[variant][0]}"]

@@ -2,8 +2,9 @@
 
 Both against the float64 reference and each other, with the oneDNN products cut into many
 slices (``SLICE_BYTES`` shrunk) so the slice loops really run, on both loss paths; exactly the
-FLOPs of the three products either way; the backend choice (environment, dtype, layout) and the
-logged fallback when oneDNN is missing; a strided bias (which oneDNN misreads) made safe."""
+FLOPs of the three products either way; the backend choice (environment, dtype, layout, a
+dispatch mode, for which torch's FLOP counter then counts the loss) and the logged fallback
+when oneDNN is missing; a strided bias (which oneDNN misreads) made safe."""
 
 from __future__ import annotations
 
@@ -13,20 +14,40 @@ import pytest
 import torch
 from _count import MatmulCounter
 from _reference import make_inputs, reference
+from torch.utils.flop_counter import FlopCounterMode
 
 from chunked_loss import _compat, _matmul, linear_cross_entropy
 from dist_testkit import assert_close
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
-ONEDNN = torch.ops.mkldnn._linear_pointwise
+
+
+class OneDNNCounter:
+    """Stands in for ``_matmul._onednn()``: the real op, counting its calls and FLOPs."""
+
+    def __init__(self) -> None:
+        self.linear = _matmul._onednn()
+        self.count = self.flops = 0
+
+    def __call__(self, x_MK, w_NK, *args):
+        self.count += 1
+        self.flops += 2 * x_MK.shape[0] * x_MK.shape[1] * w_NK.shape[0]
+        return self.linear(x_MK, w_NK, *args)
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    counter = OneDNNCounter()
+    assert counter.linear is not None, "this torch has no oneDNN"
+    monkeypatch.setattr(_matmul, "_onednn", lambda: counter)
+    return counter
 
 
 def _run(hidden, weight, bias, labels, **kw):
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    with MatmulCounter() as count:
-        loss = linear_cross_entropy(leaves[0], leaves[1], labels, bias=leaves[2], **kw)
-        loss.backward(torch.full_like(loss, 0.7))
-    return [loss.detach()] + [t.grad for t in leaves], count
+    loss = linear_cross_entropy(leaves[0], leaves[1], labels, bias=leaves[2], **kw)
+    loss.backward(torch.full_like(loss, 0.7))
+    return [loss.detach()] + [t.grad for t in leaves]
 
 
 @pytest.fixture
@@ -36,30 +57,15 @@ def fresh_probe():
     _matmul._onednn.cache_clear()
 
 
-def _uses(count_ops, monkeypatch, env, hidden, weight, bias, labels):
-    """The matmul ops one call dispatches with ``CHUNKED_LOSS_CPU_MATMUL=env``."""
-    seen = set()
-
-    class Ops(MatmulCounter):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in count_ops:
-                seen.add(func.overloadpacket)
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    monkeypatch.setenv(_matmul.ENV, env)
-    with Ops():
-        linear_cross_entropy(hidden, weight.clone().requires_grad_(), labels, bias=bias).backward()
-    return seen
-
-
 @pytest.mark.parametrize("gif", [True, False], ids=["grad_in_forward", "recompute"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_backends_match_the_reference_with_many_slices(monkeypatch, gif, smoothing):
-    # 45 valid rows in chunks of 16 (tail 13); at 16 rows a 200-byte slice is 3 logits columns
+def test_backends_match_the_reference_with_many_slices(monkeypatch, onednn, gif, smoothing):
+    # 47 valid rows in chunks of 16 (tail 15); at 16 rows a 200-byte slice is 3 logits columns
     # and, at H = 12, 4 weight-gradient rows: 17 and 13 slices of V = 50, the last ones short.
     monkeypatch.setattr(_matmul, "SLICE_BYTES", 200)
     hidden, weight, bias, labels = make_inputs(60, 12, 50, seed=11, ignore_frac=0.25)
     valid = int((labels != -100).sum())
+    products = 3 if gif else 4
     kw = {"chunk_size": 16, "grad_in_forward": gif, "label_smoothing": smoothing}
     ref_loss, ref_grads = reference(
         hidden, weight, labels, bias=bias, label_smoothing=smoothing, grad_out=torch.tensor(0.7)
@@ -67,30 +73,40 @@ def test_backends_match_the_reference_with_many_slices(monkeypatch, gif, smoothi
     results = {}
     for env in _matmul.BACKENDS:
         monkeypatch.setenv(_matmul.ENV, env)
-        ours, count = _run(hidden, weight, bias, labels, **kw)
-        for name, got, want in zip(
-            ("loss", "hidden", "weight", "bias"), ours, [ref_loss, *ref_grads], strict=True
-        ):
+        results[env] = ours = _run(hidden, weight, bias, labels, **kw)
+        names = ("loss", "hidden", "weight", "bias")
+        for name, got, want in zip(names, ours, [ref_loss, *ref_grads], strict=True):
             assert_close(got, want, name=f"{env} {name}", **TOL)
-        products = 3 if gif else 4
-        assert count.flops == products * 2 * valid * 12 * 50, (env, count.flops)
-        results[env] = (ours, count.count)
-    chunks = -(-valid // 16)
-    assert results["aten"][1] == products * chunks
-    assert results["onednn"][1] > 10 * chunks  # the slice loops ran
-    for a, b in zip(results["onednn"][0], results["aten"][0], strict=True):
+        if env == "onednn":  # exactly the products' FLOPs, in many slices
+            assert onednn.flops == products * 2 * valid * 12 * 50, onednn.flops
+            assert onednn.count > 10 * -(-valid // 16), onednn.count
+    for a, b in zip(results["onednn"], results["aten"], strict=True):
         assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_cpu_fp32_uses_onednn_and_the_environment_selects_aten(monkeypatch):
+def test_cpu_fp32_uses_onednn_and_the_environment_selects_aten(monkeypatch, onednn):
     hidden, weight, bias, labels = make_inputs(20, 8, 30, seed=2)
-    aten = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_}
-    ops = aten | {ONEDNN}
-    assert _uses(ops, monkeypatch, "onednn", hidden, weight, bias, labels) == {ONEDNN}
-    assert not _uses(ops, monkeypatch, "aten", hidden, weight, bias, labels) & {ONEDNN}
+    for env, used in (("onednn", True), ("aten", False)):
+        monkeypatch.setenv(_matmul.ENV, env)
+        onednn.count = 0
+        with_grad = weight.clone().requires_grad_()
+        linear_cross_entropy(hidden, with_grad, labels, bias=bias).backward()
+        assert (onednn.count > 0) == used, (env, onednn.count)
     monkeypatch.setenv(_matmul.ENV, "mkl")
     with pytest.raises(ValueError, match=r"CHUNKED_LOSS_CPU_MATMUL must be one of .*'mkl'"):
         linear_cross_entropy(hidden, weight, labels)
+
+
+@pytest.mark.parametrize("gif", [True, False], ids=["grad_in_forward", "recompute"])
+def test_a_dispatch_mode_sees_aten_matmuls(onednn, gif):
+    """torch's FlopCounterMode counts the loss: 3 products (recompute: 4) of [M, H] x [H, V]."""
+    hidden, weight, bias, labels = make_inputs(40, 8, 30, seed=8)
+    valid = int((labels != -100).sum())
+    with FlopCounterMode(display=False) as flops, MatmulCounter() as ours:
+        _run(hidden, weight, bias, labels, chunk_size=7, grad_in_forward=gif)
+    product = 2 * valid * 8 * 30
+    assert flops.get_total_flops() == ours.flops == (3 if gif else 4) * product
+    assert onednn.count == 0
 
 
 def test_backend_choice():

@@ -19,7 +19,6 @@ __all__ = [
     "compile_errors",
     "dispatch_mode_active",
     "inductor_supported",
-    "no_dispatch_modes",
     "onednn_linear",
 ]
 
@@ -51,11 +50,6 @@ def compile_disabled() -> bool:
 def dispatch_mode_active() -> bool:
     """A user ``TorchDispatchMode`` (e.g. a FLOP counter) is on the stack."""
     return _attr("torch.utils._python_dispatch", "_get_current_dispatch_mode")() is not None
-
-
-def no_dispatch_modes():
-    """A context that hides the active ``TorchDispatchMode``s (e.g. from a one-time probe)."""
-    return _attr("torch.utils._python_dispatch", "_disable_current_modes")()
 
 
 def onednn_linear():

@@ -30,7 +30,9 @@ between its product and its copy. The bias is made contiguous first: the op sile
 misreads a strided bias.
 
 ``CHUNKED_LOSS_CPU_MATMUL=aten`` selects the aten backend on the CPU too (benchmarks, or a CPU
-whose oneDNN is slower); an unknown value raises. If oneDNN is missing from this torch build or
+whose oneDNN is slower); an unknown value raises. While a ``TorchDispatchMode`` is active the
+aten backend runs too, so that a FLOP counter (``torch.utils.flop_counter.FlopCounterMode``
+has formulas for aten's matmuls, not for oneDNN's op) counts the loss's matmuls. If oneDNN is missing from this torch build or
 fails its one-time probe, the aten backend runs and the reason is logged once.
 """
 
@@ -65,6 +67,7 @@ def backend(weight_VH: torch.Tensor) -> str:
         or weight_VH.dtype != torch.float32
         or weight_VH.shape[1] == 0  # oneDNN has no primitive for an empty reduction
         or not weight_VH.is_contiguous()
+        or _compat.dispatch_mode_active()  # FLOP counters know aten's matmuls, not oneDNN's op
     ):
         return "aten"
     return "onednn" if _onednn() is not None else "aten"
@@ -81,8 +84,7 @@ def _onednn():
         w_VH = torch.tensor([[1.0, 0.0], [1.0, -1.0], [0.5, 0.5]])
         want_CV = torch.tensor([[1.0, -1.0, 1.5], [3.0, -1.0, 3.5]])
         try:
-            with _compat.no_dispatch_modes():  # not seen by a caller's FLOP counter
-                ok = torch.equal(linear(x_CH, w_VH, None, "none", [], ""), want_CV)
+            ok = torch.equal(linear(x_CH, w_VH, None, "none", [], ""), want_CV)
             why = None if ok else "oneDNN gave a wrong product on a probe"
         except RuntimeError as err:
             why = f"oneDNN failed on a probe: {err}"
@@ -130,6 +132,8 @@ def accumulate(dz_CV, hidden_CH, rows_C, weight_VH, grad_h, grad_w32, grad_b32) 
                 dz_SC = dz_CV[:, s : s + step].t()
                 grad_w32[s : s + step] += _onednn()(dz_SC, hidden_HC, None, "none", [], "")
         else:
-            grad_w32.addmm_(dz_CV.t(), hidden_CH.float())
+            # addmm with out= (not addmm_): the same in-place kernel, but an op FlopCounterMode
+            # has a formula for
+            torch.addmm(grad_w32, dz_CV.t(), hidden_CH.float(), out=grad_w32)
     if grad_b32 is not None:
         grad_b32 += dz_CV.sum(dim=0)
