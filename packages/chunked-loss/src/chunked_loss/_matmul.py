@@ -15,7 +15,7 @@ and nothing else touches W. Two backends compute exactly these products:
   ``torch.ops.mkldnn._linear_pointwise`` — the op Inductor lowers CPU linears to. On the AMD
   EPYC this package is developed on, MKL's fp32 GEMM runs these shapes at about half the rate
   of oneDNN's (MKL picks its code path by CPU vendor; oneDNN by the instruction sets present):
-  at C = 269, H = 1024, V = 248,320, 8.5 ms against 4.4 ms per row for the three products
+  the whole loss at N = 4096, H = 1024, V = 248,320 takes 16.6 s against 36.5 s on MKL
   (README, "Benchmark"). Both are IEEE fp32 with fp32 accumulation; only the order of the
   additions differs (and oneDNN follows ``torch.backends.mkldnn.matmul.fp32_precision`` as
   aten's CPU matmuls do).
