@@ -6,6 +6,7 @@ micro-batches. One launch per world size runs every check."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -132,7 +133,8 @@ def check_vocab_parallel_all_ignored():
 
 
 def check_vocab_parallel_errors_are_agreed():
-    """Only the last rank sees a bad label: every rank raises, nobody hangs."""
+    """Only the last rank sees a bad label (then a bad CHUNKED_LOSS_CPU_MATMUL): every rank
+    raises, nobody hangs."""
     world = dist.get_world_size()
     mesh = make_mesh((world,), ("tp",))
     hidden, weight, _, labels = make_inputs(6, 4, 13)
@@ -149,6 +151,16 @@ def check_vocab_parallel_errors_are_agreed():
     h = hidden.clone().requires_grad_(dist.get_rank() == 0)
     with pytest.raises(ValueError, match="resolved grad_in_forward differently"):
         linear_cross_entropy(h, w_dt, labels)
+    # A bad CHUNKED_LOSS_CPU_MATMUL on the last rank only: agreed like a bad input.
+    if dist.get_rank() == world - 1:
+        os.environ["CHUNKED_LOSS_CPU_MATMUL"] = "mkl"
+    try:
+        with pytest.raises(ValueError) as info:
+            linear_cross_entropy(hidden, w_dt, labels)
+    finally:
+        os.environ.pop("CHUNKED_LOSS_CPU_MATMUL", None)
+    expected = "'mkl'" if dist.get_rank() == world - 1 else "another rank of the TP group"
+    assert expected in str(info.value), str(info.value)
     dist.barrier()
 
 

@@ -46,7 +46,7 @@ import torch
 
 from chunked_loss import _compat
 
-__all__ = ["accumulate", "backend", "chunk_logits"]
+__all__ = ["accumulate", "backend", "chunk_logits", "env_error"]
 
 _log = logging.getLogger("chunked_loss")
 
@@ -56,11 +56,18 @@ BACKENDS = ("onednn", "aten")
 SLICE_BYTES = 8 << 20
 
 
+def env_error() -> str | None:
+    """The message for a bad ``CHUNKED_LOSS_CPU_MATMUL``, or None (checked with the inputs, so
+    that TP ranks agree on it before any raises)."""
+    choice = os.environ.get(ENV, "onednn")
+    return None if choice in BACKENDS else f"{ENV} must be one of {BACKENDS}, got {choice!r}"
+
+
 def backend(weight_VH: torch.Tensor) -> str:
     """``"onednn"`` or ``"aten"`` for a chunk of products with this weight (see the docstring)."""
+    if (error := env_error()) is not None:
+        raise ValueError(error)
     choice = os.environ.get(ENV, "onednn")
-    if choice not in BACKENDS:
-        raise ValueError(f"{ENV} must be one of {BACKENDS}, got {choice!r}")
     if (
         choice == "aten"
         or weight_VH.device.type != "cpu"

@@ -26,6 +26,7 @@ from chunked_loss._checks import (
 from chunked_loss._chunks import Spec
 from chunked_loss._function import LinearCrossEntropyFunction
 from chunked_loss._fused import FusedLinearCrossEntropyFunction
+from chunked_loss._matmul import env_error
 from chunked_loss._reduce import reduce_loss
 from chunked_loss._vocab_parallel import VocabShard, agree, vocab_shard
 
@@ -107,6 +108,7 @@ def linear_cross_entropy(
         or check_weight(hidden, weight.shape, None if bias is None else bias.shape)
         or _check_dtypes(hidden, shard)
         or check_label_range(labels, shard.vocab, ignore_index)
+        or env_error()
     )
     fused = _use_grad_in_forward(grad_in_forward, reduction, shard, hidden)
     agree(error, shard.group, fused)
