@@ -6,7 +6,8 @@ import torch
 from helpers import tiny
 
 from qwen35_trainer import train
-from qwen35_trainer.checkpoint import latest_checkpoint
+from qwen35_trainer.checkpoint import checkpoints_in
+from qwen35_trainer.integrity import INTACT, verify
 
 
 def test_resume_continues_bit_identically(tmp_path, caplog):
@@ -24,18 +25,17 @@ def test_resume_continues_bit_identically(tmp_path, caplog):
     ref_state = straight.objective.state_dict()
     for name, value in resumed.objective.state_dict().items():
         assert torch.equal(value, ref_state[name]), name
-    assert latest_checkpoint(tmp_path)[1] == 3
+    assert checkpoints_in(tmp_path)[0][0] == 3
     again = train(tiny("train.steps=3", f"train.checkpoint_dir={tmp_path}"))
     assert again.logs == []  # nothing left to run
 
 
-def test_only_complete_checkpoints_count(tmp_path):
-    assert latest_checkpoint(tmp_path / "missing") is None
-    (tmp_path / "step_000007").mkdir()  # no .metadata: an interrupted save
-    (tmp_path / "step_000002").mkdir()
-    (tmp_path / "step_000002" / ".metadata").write_bytes(b"")
-    (tmp_path / "notes").mkdir()
-    assert latest_checkpoint(tmp_path) == (tmp_path / "step_000002", 2)
+def test_only_final_names_are_checkpoints(tmp_path):
+    assert checkpoints_in(tmp_path / "missing") == []
+    for name in ("step_000007.partial", "step_000002", "step_000010", "notes"):
+        (tmp_path / name).mkdir()
+    assert checkpoints_in(tmp_path) == [(10, tmp_path / "step_000010"),
+                                        (2, tmp_path / "step_000002")]  # fmt: skip
 
 
 def test_a_crafted_metadata_pickle_is_refused_without_running_it(tmp_path):
@@ -67,20 +67,32 @@ def test_saves_are_atomic_and_keep_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004"]
     # a save that crashed after DCP wrote everything but before the rename does not count
     (tmp_path / "step_000004").rename(tmp_path / "step_000009.partial")
-    assert latest_checkpoint(tmp_path) == (tmp_path / "step_000003", 3)
+    assert checkpoints_in(tmp_path) == [(3, tmp_path / "step_000003")]
 
 
 def test_a_checkpoint_of_another_model_is_one_clear_error(tmp_path):
+    """Shapes are compared with the checkpoint's metadata before reading: the message names
+    the tensors and both shapes; a layer only one side has is named too."""
     import pytest
 
     train(tiny("train.steps=1", f"train.checkpoint_dir={tmp_path}"))
+    experts = "model.model.language_model.layers.0.mlp.experts"
     with pytest.raises(
         ValueError,
-        match=r"cannot be loaded into this model and optimizer .*"
-        r"Size mismatch between saved torch.Size\(\[8, 32, 32\]\)",
+        match=r"holds a model of another shape \(8 tensor\(s\) differ"
+        rf"\): {experts}.down_proj: \[8, 32, 16\] in the checkpoint, \[8, 32, 24\] "
+        rf"in this model; {experts}.gate_up_proj: \[8, 32, 32\] in the",
     ):
         train(tiny("train.steps=2", f"train.checkpoint_dir={tmp_path}",
                    "model.text.moe_intermediate_size=24"))  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"\(30 tensor\(s\) differ\): \S+layers\.2\.linear_attn\.A_log: in the checkpoint, not in ",
+    ):
+        train(tiny("train.steps=2", f"train.checkpoint_dir={tmp_path}",
+                   "model.text.num_hidden_layers=3",
+                   "model.text.layer_types=[linear_attention, linear_attention, "
+                   "full_attention]"))  # fmt: skip
 
 
 def test_a_changed_lr_on_resume_is_applied_and_said(tmp_path, caplog):
@@ -102,7 +114,8 @@ def test_async_checkpoints_hold_the_state_of_their_step(tmp_path):
     run = (f"train.checkpoint_dir={tmp_path}", "train.checkpoint_every=1",
            "train.async_checkpoint=true")  # fmt: skip
     train(tiny("train.steps=4", *run))
-    assert [latest_checkpoint(tmp_path)[1]] == [4]  # the last one completed before returning
+    assert checkpoints_in(tmp_path)[0][0] == 4  # the last one completed before returning
+    assert verify(tmp_path / "step_000004").state == INTACT  # its manifest was written too
     for later in ("step_000003", "step_000004"):
         shutil.rmtree(tmp_path / later)
     resumed = train(tiny("train.steps=4", *run))

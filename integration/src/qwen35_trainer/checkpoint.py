@@ -2,32 +2,38 @@
 
 A checkpoint is the directory ``<checkpoint_dir>/step_<NNNNNN>`` holding the model and optimizer
 state (``torch.distributed.checkpoint.state_dict``: FSDP2 / EP DTensor shards are written by
-their owners and re-sharded on load, so a checkpoint can be resumed under another layout) and the
-number of finished steps.
+their owners and re-sharded on load, so a checkpoint can be resumed under another layout), the
+number of finished steps, the files the trainer adds (the resolved recipe, the data state) and
+``manifest.json``: every file's size and checksum (:mod:`qwen35_trainer.integrity`).
 
-Atomic: every rank writes into ``step_<NNNNNN>.partial``; after all ranks finished (a barrier),
-rank 0 renames it to ``step_<NNNNNN>``, and only such names with DCP's ``.metadata`` count. A
-crash mid-save leaves a ``.partial`` directory that is ignored (and replaced by the next save of
-that step), so the previous checkpoint stays the newest loadable one. ``keep`` > 0 deletes all
-but the newest ``keep`` complete checkpoints after each save. :class:`AsyncCheckpointer` writes
-in the background and completes each checkpoint the same way, later.
+Atomic: every rank writes into ``step_<NNNNNN>.partial``, checksumming its files as it writes
+them; rank 0 gathers the records (which also waits for every rank to finish), adds the trainer's
+files, writes the manifest last and renames the directory to ``step_<NNNNNN>``. A crash
+mid-save leaves a ``.partial`` directory that is never loaded (and is replaced by the next save
+of that step). ``keep`` > 0 deletes all but the newest ``keep`` checkpoints after each save.
+:class:`AsyncCheckpointer` writes in the background and completes each checkpoint the same way,
+later.
 
-Loading runs no foreign code: DCP's ``.metadata`` is a pickle and its non-tensor items are
-``torch.load`` ed with ``weights_only=False``. Here the metadata is read by an unpickler that
-allows only the classes DCP itself writes there (:data:`METADATA_GLOBALS`), and every non-tensor
-item must load with ``weights_only=True`` before DCP reads it; anything else is refused with the
-file and the name it asked for.
+Proven before loaded: a checkpoint's files are checked against its manifest (sizes always,
+checksums unless turned off), every rank checking its share of the files and all ranks agreeing
+on the verdict (:func:`agreed_verdict`). Resuming from a checkpoint directory takes the newest
+checkpoint that is intact (:func:`newest_loadable`: a damaged one is skipped with a warning that
+says which file is wrong and how); an explicitly named checkpoint that is damaged is an error
+(:class:`DamagedCheckpointError`). Before reading, the model's tensor names and shapes are
+compared with the checkpoint's metadata, so "a checkpoint of another model" is said only when
+it is one, naming the tensors; a failure while reading says what failed. Reading runs no
+foreign code (:mod:`qwen35_trainer.safe_load`).
 
 Why a resumed run continues exactly: the model and optimizer tensors are restored bit for bit,
-the data stream is a pure function of the step index (:mod:`qwen35_trainer.data`), and nothing
-else in a step is random (the model has no dropout; the expert dispatch is deterministic).
+the data stream continues from its saved cursors (or is a pure function of the step), and
+nothing else in a step is random (the model has no dropout; the expert dispatch is
+deterministic).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
-import pickle
+import logging
 import re
 import shutil
 import warnings
@@ -37,9 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -47,86 +52,36 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from qwen35_trainer.integrity import (
+    DAMAGED,
+    ChecksummingWriter,
+    FileRecord,
+    Verdict,
+    verify,
+    write_file,
+    write_manifest,
+)
+from qwen35_trainer.safe_load import UNSAFE_ITEM, SafePlanner, SafeReader, UnsafeCheckpointError
+
 __all__ = [
-    "METADATA_GLOBALS",
     "AsyncCheckpointer",
+    "DamagedCheckpointError",
     "UnsafeCheckpointError",
-    "latest_checkpoint",
+    "agreed_verdict",
+    "checkpoints_in",
     "load_checkpoint",
     "load_model_weights",
+    "newest_loadable",
     "save_checkpoint",
 ]
 
-# (module, name) pairs a DCP .metadata pickle may name, besides the classes of
-# torch.distributed.checkpoint.metadata and torch's dtypes.
-METADATA_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-}
-
-
-_UNSAFE_ITEM = "holds more than plain data"
-
-
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file asks for code that a DCP checkpoint never contains."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file, path: Path) -> None:
-        super().__init__(file)
-        self.path = path
-
-    def find_class(self, module: str, name: str):
-        allowed = (module, name) in METADATA_GLOBALS
-        if module == dcp_metadata.__name__:
-            value = getattr(dcp_metadata, name, None)
-            allowed = getattr(value, "__module__", None) == module
-        elif module == "torch":
-            allowed = allowed or isinstance(getattr(torch, name, None), torch.dtype)
-        if not allowed:
-            raise UnsafeCheckpointError(
-                f"{self.path}: the checkpoint metadata asks for {module}.{name}, which a DCP "
-                "checkpoint never contains; refusing to unpickle it (a crafted or foreign file?)"
-            )
-        return super().find_class(module, name)
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader with the metadata read by :class:`_MetadataUnpickler`."""
-
-    def read_metadata(self, *args, **kwargs):
-        path = Path(self.path) / ".metadata"
-        with open(path, "rb") as file:
-            metadata = _MetadataUnpickler(file, path).load()
-        if not isinstance(metadata, dcp_metadata.Metadata):
-            raise UnsafeCheckpointError(f"{path}: not DCP metadata ({type(metadata).__name__})")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _SafePlanner(DefaultLoadPlanner):
-    """Non-tensor items must load with ``weights_only=True`` before DCP reads them."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as err:
-            raise UnsafeCheckpointError(
-                f"checkpoint item {read_item.dest_index.fqn!r} {_UNSAFE_ITEM}: {err}"
-            ) from err
-        value.seek(0)
-        super().load_bytes(read_item, value)
-
+logger = logging.getLogger("qwen35_trainer")
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint's files do not match its manifest (or no intact checkpoint is left)."""
 
 
 @contextlib.contextmanager
@@ -137,25 +92,78 @@ def _one_process_is_intended():
         yield
 
 
-def latest_checkpoint(checkpoint_dir: str | Path) -> tuple[Path, int] | None:
-    """The newest complete checkpoint under ``checkpoint_dir`` and its step, or ``None``."""
+def _rank_world() -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def checkpoints_in(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every checkpoint under ``checkpoint_dir`` with a final name (``step_NNNNNN``, not
+    ``.partial``), newest first, as ``(step, path)``; intact or not."""
     root = Path(checkpoint_dir)
     if not root.is_dir():
-        return None
-    found = [
-        (int(m.group(1)), path)
-        for path in root.iterdir()
-        if (m := _STEP_DIR.match(path.name)) and (path / ".metadata").is_file()
-    ]
-    if not found:
-        return None
-    step, path = max(found)
-    return path, step
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return sorted(found, reverse=True)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def agreed_verdict(path: Path, *, checksums: bool = True) -> Verdict:
+    """The verdict on ``path`` that every rank returns: each rank checks every file's size and
+    hashes every ``world``-th file; the verdicts are gathered (one collective) and combined —
+    damaged when any rank found damage, with every rank's problems."""
+    rank, world = _rank_world()
+    local = verify(path, checksums=checksums, share=(rank, world))
+    if world == 1:
+        return local
+    verdicts: list[Verdict | None] = [None] * world
+    dist.all_gather_object(verdicts, local)
+    damaged = [v for v in verdicts if v.state == DAMAGED]
+    if not damaged:
+        return local
+    problems = dict.fromkeys(p for v in damaged for p in v.problems)  # sizes: seen by every rank
+    return Verdict(Path(path), DAMAGED, tuple(problems))
+
+
+def newest_loadable(
+    checkpoint_dir: str | Path, *, checksums: bool = True
+) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under ``checkpoint_dir`` that is intact (or has no manifest, being
+    older than manifests), the same on every rank, and the warnings for the newer ones skipped
+    as damaged. ``(None, [])`` when there is no checkpoint; :class:`DamagedCheckpointError` when
+    every checkpoint there is damaged; ``ValueError`` when the ranks see different checkpoints
+    (not one shared directory)."""
+    found = checkpoints_in(checkpoint_dir)
+    _same_on_every_rank(checkpoint_dir, found)
+    warnings_: list[str] = []
+    for _, path in found:
+        verdict = agreed_verdict(path, checksums=checksums)
+        if verdict.loadable:
+            return path, warnings_
+        warnings_.append(
+            f"checkpoint {path} is damaged, resuming from an older one: "
+            + "; ".join(verdict.problems)
+        )
+    if found:
+        raise DamagedCheckpointError(
+            f"every checkpoint under {checkpoint_dir} is damaged ({'; '.join(warnings_)}); "
+            "move them away (or point train.checkpoint_dir elsewhere) to start afresh"
+        )
+    return None, []
+
+
+def _same_on_every_rank(checkpoint_dir, found: list[tuple[int, Path]]) -> None:
+    """``ValueError`` on every rank unless all see the same newest checkpoint and count."""
+    if _rank_world()[1] == 1:
+        return
+    mine = (found[0][0] if found else -1, len(found))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if len(set(everyone)) > 1:
+        raise ValueError(
+            f"ranks see different checkpoints under {checkpoint_dir} (newest step, count per "
+            f"rank: {everyone}; -1 = none): it must be one shared directory"
+        )
 
 
 def _begin(checkpoint_dir: str | Path, step: int) -> tuple[Path, Path, Path]:
@@ -164,27 +172,43 @@ def _begin(checkpoint_dir: str | Path, step: int) -> tuple[Path, Path, Path]:
     root = Path(checkpoint_dir)
     path = root / f"step_{step:06d}"
     partial = root / f"{path.name}.partial"
-    if (not dist.is_initialized() or dist.get_rank() == 0) and partial.exists():
+    if _rank_world()[0] == 0 and partial.exists():
         shutil.rmtree(partial)  # left by a crash mid-save
-    _barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return root, path, partial
 
 
-def _finish(root: Path, path: Path, partial: Path, keep: int, files: dict[str, str] | None):
-    """After every rank wrote its shards into ``partial``: rank 0 adds ``files``, renames it to
-    ``path`` and prunes to the newest ``keep``; every rank returns once that is done."""
-    _barrier()  # every rank's shards are written
-    if not dist.is_initialized() or dist.get_rank() == 0:
+def _finish(
+    root: Path,
+    path: Path,
+    partial: Path,
+    keep: int,
+    files: dict[str, str] | None,
+    records: dict[str, FileRecord],
+) -> None:
+    """After this rank wrote its files (``records``) into ``partial``: rank 0 gathers every
+    rank's records (so every rank has finished), adds ``files``, writes the manifest, renames
+    ``partial`` to ``path`` and prunes to the newest ``keep``; every rank returns once that is
+    done."""
+    rank, world = _rank_world()
+    gathered = [records]
+    if world > 1:
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(records, gathered, dst=0)
+    if rank == 0:
+        manifest = {name: r for ranks in gathered for name, r in ranks.items()}
         for name, text in (files or {}).items():
-            (partial / name).write_text(text)
+            manifest[name] = write_file(partial / name, text.encode())
+        write_manifest(partial, manifest)
         if path.exists():
             shutil.rmtree(path)
         partial.rename(path)
         if keep > 0:
-            done = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
-            for old in done[:-keep]:
+            for _, old in checkpoints_in(root)[keep:]:
                 shutil.rmtree(old)
-    _barrier()  # every rank sees the checkpoint before it goes on
+    if dist.is_initialized():
+        dist.barrier()  # every rank sees the checkpoint before it goes on
 
 
 def _state(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -205,20 +229,24 @@ def save_checkpoint(
     module docstring. ``keep`` > 0: keep only the newest ``keep`` checkpoints. ``files``: text
     files rank 0 adds to the checkpoint (e.g. the resolved recipe), name -> content."""
     root, path, partial = _begin(checkpoint_dir, step)
+    writer = ChecksummingWriter(partial)
     with _one_process_is_intended():
-        dcp.save(_state(step, model, optimizer), checkpoint_id=str(partial),
-                 no_dist=not dist.is_initialized())  # fmt: skip
-    _finish(root, path, partial, keep, files)
+        dcp.save(
+            _state(step, model, optimizer),
+            storage_writer=writer,
+            no_dist=not dist.is_initialized(),
+        )
+    _finish(root, path, partial, keep, files, writer.records)
     return path
 
 
 class AsyncCheckpointer:
     """:func:`save_checkpoint` with the writing in a background thread: ``save`` copies the
     state to host memory (DCP's stager) and returns, so training goes on while the shards are
-    written; the checkpoint is completed (the same rename as the synchronous save, so it is
-    just as atomic) by the next ``save`` or by :meth:`wait`, which every rank must call before
-    the run ends. Its collectives run on a gloo group of its own, never concurrently with the
-    training's on the default group."""
+    written (and checksummed); the checkpoint is completed (the same manifest and rename as the
+    synchronous save, so it is just as atomic) by the next ``save`` or by :meth:`wait`, which
+    every rank must call before the run ends. DCP's collectives run on a gloo group of its own,
+    never concurrently with the training's on the default group."""
 
     def __init__(self) -> None:
         distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -227,61 +255,116 @@ class AsyncCheckpointer:
         if not dist.is_initialized():  # the writer thread repeats DCP's one-process notice
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
-    def save(self, checkpoint_dir: str | Path, step: int, model: nn.Module,
-             optimizer: torch.optim.Optimizer, *, keep: int = 0,
-             files: dict[str, str] | None = None) -> Path:  # fmt: skip
+    def save(
+        self,
+        checkpoint_dir: str | Path,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        keep: int = 0,
+        files: dict[str, str] | None = None,
+    ) -> Path:
         self.wait()
         root, path, partial = _begin(checkpoint_dir, step)
+        writer = ChecksummingWriter(partial)
         with _one_process_is_intended():
-            future = dcp.async_save(_state(step, model, optimizer), checkpoint_id=str(partial),
-                                    process_group=self._group,
-                                    no_dist=not dist.is_initialized())  # fmt: skip
-        self._pending = (future, root, path, partial, keep, files)
+            future = dcp.async_save(
+                _state(step, model, optimizer),
+                storage_writer=writer,
+                process_group=self._group,
+                no_dist=not dist.is_initialized(),
+            )
+        self._pending = (future, writer, root, path, partial, keep, files)
         return path
 
     def wait(self) -> None:
         """Complete the checkpoint being written, if any (every rank)."""
         if self._pending is None:
             return
-        future, *rest = self._pending
+        future, writer, *rest = self._pending
         self._pending = None
         future.result()
-        _finish(*rest)
+        _finish(*rest, writer.records)
 
 
-def _read(path: str | Path, state: dict, what: str, *, partial: bool = False) -> None:
-    """``state`` filled in place from the DCP checkpoint at ``path`` (checked first: safe
-    metadata, weights-only items); ``partial``: only the items ``state`` names."""
-    _SafeReader(str(path)).read_metadata()  # refuses a crafted file before DCP wraps the error
+def _check_model_shapes(path: Path, reader: SafeReader, model_state: dict) -> None:
+    """``ValueError`` naming every model tensor whose shape differs from the checkpoint's, or
+    that only one side has (the same verdict on every rank: global shapes, shared metadata)."""
+    saved = {
+        fqn.removeprefix("model."): tuple(meta.size)
+        for fqn, meta in reader.read_metadata().state_dict_metadata.items()
+        if fqn.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    ours = {name: tuple(value.shape) for name, value in model_state.items()}
+    problems = [
+        f"{name}: {list(saved[name])} in the checkpoint, {list(shape)} in this model"
+        for name, shape in ours.items()
+        if name in saved and saved[name] != shape
+    ]
+    problems += [f"{name}: in this model, not in the checkpoint" for name in ours.keys() - saved]
+    problems += [f"{name}: in the checkpoint, not in this model" for name in saved.keys() - ours]
+    if problems:
+        more = f" ... and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise ValueError(
+            f"checkpoint {path} holds a model of another shape ({len(problems)} tensor(s) "
+            f"differ): {'; '.join(sorted(problems)[:5])}{more}"
+        )
+
+
+def _read(path: Path, state: dict, *, partial: bool = False) -> None:
+    """``state`` filled in place from the DCP checkpoint at ``path``: safe metadata and model
+    shapes checked first; ``partial``: only the items ``state`` names."""
+    _check_model_shapes(path, SafeReader(str(path)), state["model"])
     try:
         with _one_process_is_intended():
-            dcp.load(state, storage_reader=_SafeReader(str(path)),
-                     planner=_SafePlanner(allow_partial_load=partial),
-                     no_dist=not dist.is_initialized())  # fmt: skip
+            dcp.load(
+                state,
+                storage_reader=SafeReader(str(path)),
+                planner=SafePlanner(allow_partial_load=partial),
+                no_dist=not dist.is_initialized(),
+            )
     except (Exception, CheckpointException) as err:  # DCP's wraps each rank's failure
         reason = str(err).strip().splitlines()[-1]  # the wrapped error's own line
-        if _UNSAFE_ITEM in str(err):
+        if UNSAFE_ITEM in str(err):
             raise UnsafeCheckpointError(f"{path}: {reason}") from err
         raise ValueError(
-            f"checkpoint {path} cannot be loaded into this {what} (a checkpoint of another "
-            f"model shape or optimizer?): {reason}"
+            f"checkpoint {path}: reading it failed ({type(err).__name__}: {reason})"
         ) from err
 
 
-def load_model_weights(path: str | Path, model: nn.Module) -> int:
+def _verified(path: str | Path, checksums: bool) -> Path:
+    """``path``, after every rank agreed it may be loaded (else :class:`DamagedCheckpointError`)."""
+    verdict = agreed_verdict(Path(path), checksums=checksums)
+    if not verdict.loadable:
+        raise DamagedCheckpointError(f"checkpoint {path} is {verdict.describe()}")
+    return Path(path)
+
+
+def load_model_weights(path: str | Path, model: nn.Module, *, checksums: bool = True) -> int:
     """Restore only ``model``'s weights from the checkpoint at ``path`` (any layout: DCP
-    re-shards); returns its finished steps."""
+    re-shards), verified first; returns its finished steps."""
+    path = _verified(path, checksums)
     state = {"model": get_model_state_dict(model), "step": torch.tensor(0)}
-    _read(path, state, "model", partial=True)
+    _read(path, state, partial=True)
     set_model_state_dict(model, state["model"])
     return int(state["step"])
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Restore ``model`` and ``optimizer`` in place from ``path``; returns the finished steps."""
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    checksums: bool = True,
+    verified: bool = False,
+) -> int:
+    """Restore ``model`` and ``optimizer`` in place from ``path``, verified first unless the
+    caller already did (``verified``); returns the finished steps."""
+    path = Path(path) if verified else _verified(path, checksums)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
-    _read(path, state, "model and optimizer")
+    _read(path, state)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

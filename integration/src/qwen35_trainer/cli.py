@@ -2,7 +2,8 @@
 ``qwen35-train plan RECIPE [--world-size N] [--gpu-memory GiB] [--json FILE]``: will it fit?
 ``qwen35-train export RECIPE CHECKPOINT OUT``: a training checkpoint as a transformers directory;
 ``qwen35-train data make-demo DIR`` / ``qwen35-train data check RECIPE``: the demo dataset, and
-a report of a recipe's dataset read through its processor.
+a report of a recipe's dataset read through its processor;
+``qwen35-train checkpoint verify DIR``: is a checkpoint (or each one under DIR) intact?
 
 ``RECIPE`` is a YAML file or the name of a built-in recipe (``tiny``). A recipe that needs N
 ranks, run outside torchrun, starts its N local workers itself through PyTorch's elastic
@@ -17,6 +18,7 @@ progress bar on a terminal) and every message; the other ranks print nothing.
 Exit status: 0 every step ran with a finite loss; 1 a non-finite loss (the message names the
 step); 2 a bad recipe, one that does not fit the launch or the model, or a bad data row (the
 message says why, naming the file and row);
+3 (``checkpoint verify``) a checkpoint that is not intact;
 4 an unexpected internal error (with its traceback); 5 stopped by SIGTERM / SIGUSR1 after
 finishing a step and saving a checkpoint (run the same command again to resume).
 ``--max-restarts N`` (with the built-in launch) brings all workers back after a worker dies,
@@ -33,6 +35,7 @@ import sys
 import time
 import traceback
 import uuid
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -45,9 +48,16 @@ from qwen35_trainer.recipe import (
 )
 from qwen35_trainer.train import StepLog, train
 
-__all__ = ["EXIT_BAD_RECIPE", "EXIT_INTERNAL", "EXIT_NON_FINITE", "EXIT_PREEMPTED", "main"]
+__all__ = [
+    "EXIT_BAD_RECIPE",
+    "EXIT_INTERNAL",
+    "EXIT_NON_FINITE",
+    "EXIT_NOT_INTACT",
+    "EXIT_PREEMPTED",
+    "main",
+]
 
-EXIT_NON_FINITE, EXIT_BAD_RECIPE, EXIT_INTERNAL, EXIT_PREEMPTED = 1, 2, 4, 5
+EXIT_NON_FINITE, EXIT_BAD_RECIPE, EXIT_NOT_INTACT, EXIT_INTERNAL, EXIT_PREEMPTED = 1, 2, 3, 4, 5
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Subcommands: qwen35-train plan RECIPE (memory / communication per GPU on a fake "
         "world, exit 3 when it does not fit); qwen35-train export RECIPE CHECKPOINT OUT (a "
         "training checkpoint as a transformers directory); qwen35-train data make-demo DIR | check "
-        "RECIPE (write the demo dataset; read a recipe's dataset and report it). Outputs: runs/<recipe>-<time>/ "
+        "RECIPE (write the demo dataset; read a recipe's dataset and report it); qwen35-train "
+        "checkpoint verify DIR (each checkpoint intact, damaged or incomplete; exit 3 unless all "
+        "are intact). Outputs: runs/<recipe>-<time>/ "
         "(recipe.yaml, metrics.jsonl, tensorboard/, loss.png, logs/). Built-in recipes: "
         + ", ".join(builtin_recipes()),
     )
@@ -160,6 +172,32 @@ def _worker_exit(code: int) -> None:
     os._exit(code)
 
 
+def _checkpoint_main(argv: list[str]) -> int:
+    """``qwen35-train checkpoint verify DIR``: one line per checkpoint (intact / damaged and
+    why / incomplete / no manifest); exit 0 when every one is intact, 3 otherwise, 2 when DIR
+    holds no checkpoint."""
+    parser = argparse.ArgumentParser(
+        prog="qwen35-train checkpoint",
+        description="Check checkpoints against their manifests (file sizes and checksums).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("verify", help="verify one checkpoint or every one under DIR")
+    check.add_argument("dir", type=Path, help="a step_NNNNNN directory, or a directory of them")
+    check.add_argument("--sizes-only", action="store_true", help="compare sizes, not checksums")
+    args = parser.parse_args(argv)
+    from qwen35_trainer.integrity import INTACT, verify_all
+
+    try:
+        verdicts = verify_all(args.dir, checksums=not args.sizes_only)
+    except ValueError as err:
+        print(f"qwen35-train checkpoint: {err}", file=sys.stderr)
+        return EXIT_BAD_RECIPE
+    for verdict in verdicts:
+        size = f" ({verdict.files} files, {verdict.size / 2**20:.1f} MiB)" if verdict.files else ""
+        print(f"{verdict.path.name}: {verdict.describe()}{size}")
+    return 0 if all(v.state == INTACT for v in verdicts) else EXIT_NOT_INTACT
+
+
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:
@@ -174,6 +212,8 @@ def _main(argv: list[str] | None) -> int:
         from qwen35_trainer.data.command import data_main
 
         return data_main(argv[1:])
+    if argv[:1] == ["checkpoint"]:
+        return _checkpoint_main(argv[1:])
     args = _parser().parse_args(argv)
     printing = os.environ.get("RANK", "0") == "0"
 

@@ -1,8 +1,8 @@
 """``qwen35-train export RECIPE CHECKPOINT OUT [--set section.key=value ...]``: a training
 checkpoint as a transformers checkpoint directory.
 
-``CHECKPOINT`` is one ``step_NNNNNN`` directory or a checkpoint directory (its newest complete
-checkpoint is taken). The recipe gives the model; its layout does not matter: the weights are
+``CHECKPOINT`` is one ``step_NNNNNN`` directory (verified against its manifest: a damaged one
+is an error) or a checkpoint directory (its newest intact checkpoint is taken). The recipe gives the model; its layout does not matter: the weights are
 re-sharded by DCP onto this launch (one process, or FSDP over every rank under ``torchrun``,
 each holding 1/N), then written without gathering (:func:`qwen35_trainer.model.export_hf`).
 Exit status 0, or 2 with the reason (bad recipe, no checkpoint there, a checkpoint of another
@@ -23,14 +23,18 @@ __all__ = ["export_main"]
 
 
 def _checkpoint(path: Path) -> Path:
-    from qwen35_trainer.checkpoint import latest_checkpoint
+    """The newest loadable checkpoint when ``path`` holds ``step_NNNNNN`` directories (newer
+    damaged ones skipped, each said), else ``path`` itself (verified when it is loaded)."""
+    from qwen35_trainer.checkpoint import checkpoints_in, newest_loadable
 
-    if (path / ".metadata").is_file():
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such checkpoint directory")
+    if not checkpoints_in(path):
         return path
-    found = latest_checkpoint(path)
-    if found is None:
-        raise ValueError(f"{path}: neither a checkpoint nor a directory holding a complete one")
-    return found[0]
+    found, damaged = newest_loadable(path)
+    for message in damaged:
+        print(f"qwen35-train export: {message}", file=sys.stderr)
+    return found
 
 
 def _export(recipe, checkpoint: Path, out: Path) -> int:

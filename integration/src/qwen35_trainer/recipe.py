@@ -172,7 +172,9 @@ class TrainRecipe:
     config's value. ``activation_checkpointing``: recompute decoder (and trainable vision)
     blocks in backward (:func:`moe_parallel.apply_activation_checkpointing`).
     ``checkpoint_dir``: save there every ``checkpoint_every`` steps (0: only after the last) and
-    resume from its newest complete checkpoint (:mod:`qwen35_trainer.checkpoint`).
+    resume from its newest intact checkpoint (:mod:`qwen35_trainer.checkpoint`: every file is
+    checked against the checkpoint's manifest before loading, sizes always and checksums unless
+    ``verify_checkpoints`` is false; a damaged checkpoint is skipped with a warning).
     ``export_dir``: write the trained model there as a transformers checkpoint. ``dtype``:
     ``float32``, or ``bfloat16`` parameters and compute with fp32 master weights and fp32
     gradient reduction (FSDP2 mixed precision; loss, router and Gated DeltaNet statistics stay
@@ -214,6 +216,7 @@ class TrainRecipe:
     eval_steps: int = 1
     prewarm: bool = False
     async_checkpoint: bool = False
+    verify_checkpoints: bool = True
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas

@@ -42,8 +42,8 @@ import yaml
 
 from qwen35_trainer.checkpoint import (
     AsyncCheckpointer,
-    latest_checkpoint,
     load_checkpoint,
+    newest_loadable,
     save_checkpoint,
 )
 from qwen35_trainer.data.feed import Feed
@@ -195,7 +195,11 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
     checkpoints = spec.checkpoint_dir
     if checkpoints is None and spec.output_dir and spec.checkpoint_every:
         checkpoints = os.path.join(spec.output_dir, "checkpoints")
-    start = _resume(checkpoints, objective, optimizer, device)
+    start, damaged = _resume(checkpoints, objective, optimizer, spec.verify_checkpoints)
+    for message in damaged:
+        logger.warning(message)
+        if folder is not None:
+            folder.note(message)
     feed = Feed(recipe, model, layout, device)
     if start:
         feed.restore(Path(checkpoints) / f"step_{start:06d}")
@@ -304,23 +308,13 @@ def _changed_on_resume(path: Path, recipe: Recipe) -> list[str]:
             for k in RESUMABLE_CHANGES if k in before and before[k] != now[k]]  # fmt: skip
 
 
-def _resume(checkpoints: str | None, objective, optimizer, device: torch.device) -> int:
-    """Steps already done: 0, or those of the newest checkpoint under ``checkpoints`` (the same
-    on every rank). ``device``: where the default group's collectives run (CUDA under NCCL)."""
+def _resume(checkpoints: str | None, objective, optimizer, checksums: bool):
+    """``(steps already done, messages)``: 0, or those of the newest loadable checkpoint under
+    ``checkpoints`` (the same on every rank; newer damaged ones skipped, each with a warning
+    among the messages)."""
     if not checkpoints:
-        return 0
-    found = latest_checkpoint(checkpoints)
-    step = -1 if found is None else found[1]
-    if dist.is_initialized():
-        seen = torch.tensor([step, -step], device=device)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-        seen = seen.cpu()
-        if seen[0] != -seen[1]:
-            raise ValueError(
-                f"ranks see different newest checkpoints under {checkpoints} "
-                f"(steps {int(-seen[1])}..{int(seen[0])}, -1 = none): it must be one shared "
-                "directory"
-            )
-    if found is None:
-        return 0
-    return load_checkpoint(found[0], objective, optimizer)
+        return 0, []
+    path, warnings = newest_loadable(checkpoints, checksums=checksums)
+    if path is None:
+        return 0, warnings
+    return load_checkpoint(path, objective, optimizer, verified=True), warnings
