@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import torch.distributed as dist
 from helpers import TINY, demo_recipe, tiny
 
@@ -70,6 +73,35 @@ def check_resume_equals_uninterrupted(overrides, path, reference_logs, reference
     first = train(layout_recipe(world, *overrides, "train.steps=1", f"train.checkpoint_dir={path}"))
     assert [log.step for log in first.logs] == [1]
     result = train(layout_recipe(world, *overrides, f"train.checkpoint_dir={path}"))
+    state = result.objective.model.state_dict()
+    assert_same_run(result.logs, reference_logs[1:], state, reference_state)
+
+
+def check_resume_skips_a_damaged_checkpoint(overrides, path, reference_logs,
+                                            reference_state) -> None:  # fmt: skip
+    """Checkpoints after steps 1 and 2, then one byte of rank 1's shard of step 2 flipped: only
+    the rank that hashes that file can see it, yet every rank skips step 2 (warning with the
+    file), resumes from step 1, and steps 2..3 equal the uninterrupted one-process run."""
+    world = dist.get_world_size()
+    run = (*overrides, f"train.checkpoint_dir={path}", "train.checkpoint_every=1")
+    train(layout_recipe(world, *run, "train.steps=2"))
+    if dist.get_rank() == 1:
+        shard = Path(path) / "step_000002" / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("qwen35_trainer").addHandler(handler)
+    try:
+        result = train(layout_recipe(world, *run))
+    finally:
+        logging.getLogger("qwen35_trainer").removeHandler(handler)
+    damaged = [w for w in warned if "is damaged" in w]
+    assert len(damaged) == 1 and "step_000002 is damaged" in damaged[0], warned
+    assert "__1_0.distcp: checksum" in damaged[0], damaged
     state = result.objective.model.state_dict()
     assert_same_run(result.logs, reference_logs[1:], state, reference_state)
 

@@ -10,7 +10,8 @@ right-padded); CP = world (one packed row split over every rank by its balanced 
 layout) with activation checkpointing; DP x CP 2 with the experts split over the CP ranks;
 DP x TP 2 (attention heads and shared expert split) on packed rows. Resume: a run stopped after one
 step (DCP checkpoint, written synchronously or in the background) and started again continues
-exactly, under the same layout and in one process.
+exactly, under the same layout and in one process; with the newest checkpoint damaged in one
+rank's file, every rank falls back to the one before it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dist_checks import (
     STEPS,
     assert_same_run,
     check_resume_equals_uninterrupted,
+    check_resume_skips_a_damaged_checkpoint,
     check_training_equals_one_process,
     layout_recipe,
 )
@@ -150,6 +152,7 @@ def launch(request, references, tmp_path_factory):
     checks["resume"] = named_check(
         f"resume@{world}",
         check_resume_equals_uninterrupted,
+    check_resume_skips_a_damaged_checkpoint,
         ("parallel.ep=2",),
         str(saved),
         *references["base"],
@@ -157,14 +160,22 @@ def launch(request, references, tmp_path_factory):
     checks["resume_async"] = named_check(
         f"resume_async@{world}",
         check_resume_equals_uninterrupted,
+    check_resume_skips_a_damaged_checkpoint,
         ("parallel.ep=2", "train.async_checkpoint=true"),
         str(tmp_path_factory.mktemp(f"async_ckpt_world{world}")),
+        *references["base"],
+    )
+    checks["resume_damaged"] = named_check(
+        f"resume_damaged@{world}",
+        check_resume_skips_a_damaged_checkpoint,
+        ("parallel.ep=2",),
+        str(tmp_path_factory.mktemp(f"damaged_ckpt_world{world}")),
         *references["base"],
     )
     return checks, run_checks(list(checks.values()), world, timeout=900), saved, exported
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "resume", "resume_async"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "resume", "resume_async", "resume_damaged"])
 def test_layout_equals_one_process(launch, layout):
     checks, report, _, _ = launch
     if layout not in checks:

@@ -41,6 +41,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import xxhash
@@ -69,6 +70,7 @@ MANIFEST = "manifest.json"
 ALGORITHM = "xxh3_64"
 FORMAT = 1
 _READ_BYTES = 8 * 2**20
+_OVERLAP_BYTES = 2**20  # writes at least this large are hashed while the file is written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,15 +82,28 @@ class FileRecord:
 
 
 class _HashingStream:
-    """A binary file opened for writing whose written bytes are hashed on their way in."""
+    """A binary file opened for writing whose written bytes are hashed on their way in.
+
+    A large buffer is written by a helper thread while this thread hashes it (the write
+    releases the GIL): the checksum then costs the time the write takes anyway. ``write``
+    returns only when both are done, so the buffer (which DCP may free or reuse right after)
+    is never read later, and the file's bytes stay in call order."""
 
     def __init__(self, file, on_close) -> None:
         self._file, self._on_close = file, on_close
         self._hash = xxhash.xxh3_64()
+        self._writer: ThreadPoolExecutor | None = None
 
     def write(self, data) -> int:
-        self._hash.update(data)
-        return self._file.write(data)
+        view = memoryview(data).cast("B")
+        if view.nbytes < _OVERLAP_BYTES:
+            self._hash.update(view)
+            return self._file.write(view)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-write")
+        written = self._writer.submit(self._file.write, view)
+        self._hash.update(view)
+        return written.result()
 
     def tell(self) -> int:
         return self._file.tell()
@@ -105,6 +120,8 @@ class _HashingStream:
     def close(self) -> None:
         if self._file.closed:
             return
+        if self._writer is not None:
+            self._writer.shutdown()
         size = self._file.tell()
         self._file.close()
         self._on_close(FileRecord(size, self._hash.hexdigest()))
