@@ -192,7 +192,7 @@ def saved_activation_bytes(overrides) -> dict[str, int]:
     layout = parallelize(objective, r.parallel, device, packing=True,
                          activation_checkpointing=r.train.activation_checkpointing)  # fmt: skip
     materialize(model, device, seed=0)
-    micro = micro_batches(r, model, layout, 0, device)
+    micro, _ = micro_batches(r, model, layout, 0, device)
     valid = count_valid(micro, layout, device)
     seen: dict[int, int] = {}
 
@@ -295,3 +295,22 @@ def check_bad_row_raises_on_every_rank(root) -> str:
     else:
         assert "bad data on rank(s) [1]" in message, message
     return message
+
+
+def check_nonfinite_stops_every_rank(root, source) -> None:
+    """DP 2 on the demo dataset, the document ``source`` of step 3 (read by rank 1 only) with
+    NaN pixels: every rank stops at step 3 without applying it, naming that document (the
+    loss and gradient norm are global, so no rank steps while another stops)."""
+    from helpers import nan_pixels
+
+    from qwen35_trainer.nonfinite import NonFiniteStep
+
+    try:
+        with nan_pixels(source):
+            train(demo_recipe(root, *DATASET, "parallel.dp=2"))
+    except NonFiniteStep as error:
+        assert str(error).startswith("step 3: loss nan"), error
+        assert source in error.sources, (source, error.sources)
+        assert [log.step for log in error.result.logs] == [1, 2, 3]
+    else:
+        raise AssertionError("the non-finite step was not reported")

@@ -3,6 +3,8 @@ the synthetic stream (its own data is the demo dataset), smaller where a test ne
 
 from __future__ import annotations
 
+import contextlib
+
 from qwen35_trainer import load_recipe
 from qwen35_trainer.recipe import recipe_path
 
@@ -37,3 +39,47 @@ def demo_recipe(root, *overrides: str):
                               f"data.processor={root}/processor",
                               f"data.eval_path={root}/heldout.jsonl", "data.workers=0",
                               *overrides])  # fmt: skip
+
+
+@contextlib.contextmanager
+def nan_pixels(source: str):
+    """Within the block, the document read from ``source`` (``file:row``) has NaN pixel values
+    (images and video frames): a fault injected after the processor, in this process."""
+    import torch
+
+    from qwen35_trainer.data.conversation import ConversationEncoder
+
+    original = ConversationEncoder.__call__
+
+    def encode(self, row, where, base):
+        sample = original(self, row, where, base)
+        if where == source:
+            sample.pixel_values = torch.full_like(sample.pixel_values, float("nan"))
+            sample.pixel_values_videos = torch.full_like(sample.pixel_values_videos, float("nan"))
+        return sample
+
+    ConversationEncoder.__call__ = encode
+    try:
+        yield
+    finally:
+        ConversationEncoder.__call__ = original
+
+
+def media_document(recipe, step: int, rows: range | None = None) -> str:
+    """The source of the first document with an image or video in step ``step`` (1-based) of
+    ``recipe``'s dataset as one process reads it, within the global ``rows`` of the step."""
+    import torch
+
+    from qwen35_trainer.data.loader import DataStream
+    from qwen35_trainer.model import build_config
+    from qwen35_trainer.parallel import Layout
+
+    stream = DataStream(recipe, build_config(recipe.model), Layout(), torch.device("cpu"))
+    for _ in range(step - 1):
+        stream.next_step()
+    found = stream.next_step().rows
+    for row in (found[i] for i in (rows or range(len(found)))):
+        for doc in row:
+            if doc.pixel_values.numel() or doc.pixel_values_videos.numel():
+                return doc.source
+    raise AssertionError(f"no document with media in step {step}")

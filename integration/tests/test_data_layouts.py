@@ -1,6 +1,6 @@
 """Training on a conversation dataset: every layout takes the same steps as one process (gloo,
-world 2), a resumed DP 2 run continues exactly, and a bad row on one rank stops every rank
-with a message instead of a hang.
+world 2), a resumed DP 2 run continues exactly, and a bad row, or a non-finite step, on one
+rank stops every rank with a message instead of a hang.
 
 The reference runs here, in one process, on the demo dataset (4 packed rows per step); the
 loader gives every layout the same global step (:mod:`qwen35_trainer.data.loader`), so a
@@ -17,8 +17,9 @@ from dist_checks import (
     check_bad_row_raises_on_every_rank,
     check_dataset_layout_equals_one_process,
     check_dataset_resume,
+    check_nonfinite_stops_every_rank,
 )
-from helpers import demo_recipe
+from helpers import demo_recipe, media_document
 
 from dist_testkit import named_check, run_checks
 from qwen35_trainer import train
@@ -58,10 +59,13 @@ def launch(tmp_path_factory):
         *references[()],
     )
     checks["bad_row"] = named_check("bad_row", check_bad_row_raises_on_every_rank, str(root))
+    rank_1 = media_document(demo_recipe(root, *DATASET), step=3, rows=range(2, 4))
+    checks["nonfinite"] = named_check("nonfinite", check_nonfinite_stops_every_rank, str(root),
+                                      rank_1)  # fmt: skip
     return checks, run_checks(list(checks.values()), 2, timeout=600)
 
 
-@pytest.mark.parametrize("check", [*LAYOUTS, "resume_dp2", "bad_row"])
+@pytest.mark.parametrize("check", [*LAYOUTS, "resume_dp2", "bad_row", "nonfinite"])
 def test_dataset_layouts(launch, check):
     checks, report = launch
     report.assert_passed(checks[check])

@@ -15,8 +15,9 @@ Outputs go to the run folder ``train.output_dir`` (default ``runs/<recipe>-<time
 checkpoints / export when the recipe asks for them. Rank 0 prints one line per step (a
 progress bar on a terminal) and every message; the other ranks print nothing.
 
-Exit status: 0 every step ran with a finite loss; 1 a non-finite loss (the message names the
-step); 2 a bad recipe, one that does not fit the launch or the model, or a bad data row (the
+Exit status: 0 the run finished; 1 a step with a non-finite loss or gradient norm, not applied
+(``train.on_nonfinite: stop``, or too many skipped in a row; the message names the step and the
+documents of its global batch); 2 a bad recipe, one that does not fit the launch or the model, or a bad data row (the
 message says why, naming the file and row);
 3 (``checkpoint verify``) a checkpoint that is not intact;
 4 an unexpected internal error (with its traceback); 5 stopped by SIGTERM / SIGUSR1 after
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 import time
@@ -252,8 +252,6 @@ def _main(argv: list[str] | None) -> int:
         bar = tqdm(total=steps, unit="step", dynamic_ncols=True)
 
     def report(log: StepLog) -> None:
-        if not math.isfinite(log.loss):
-            raise FloatingPointError(f"step {log.step}: loss is {log.loss}")
         first[0] = first[0] or (log.step, time.perf_counter())
         if bar is not None:
             bar.n = log.step

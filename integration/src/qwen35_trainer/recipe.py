@@ -153,6 +153,7 @@ ON_BAD_ROW = ("raise", "skip")
 
 
 DTYPES = ("float32", "bfloat16")
+ON_NONFINITE = ("stop", "skip")
 SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -175,6 +176,10 @@ class TrainRecipe:
     resume from its newest intact checkpoint (:mod:`qwen35_trainer.checkpoint`: every file is
     checked against the checkpoint's manifest before loading, sizes always and checksums unless
     ``verify_checkpoints`` is false; a damaged checkpoint is skipped with a warning).
+    ``on_nonfinite``: a step whose global loss or gradient norm is not finite is never applied;
+    ``stop`` ends the run naming the step and its documents, ``skip`` drops the step and goes
+    on, stopping after ``max_skipped_steps`` skipped steps in a row
+    (:mod:`qwen35_trainer.nonfinite`).
     ``export_dir``: write the trained model there as a transformers checkpoint. ``dtype``:
     ``float32``, or ``bfloat16`` parameters and compute with fp32 master weights and fp32
     gradient reduction (FSDP2 mixed precision; loss, router and Gated DeltaNet statistics stay
@@ -217,6 +222,8 @@ class TrainRecipe:
     prewarm: bool = False
     async_checkpoint: bool = False
     verify_checkpoints: bool = True
+    on_nonfinite: str = "stop"
+    max_skipped_steps: int = 5
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas
@@ -242,6 +249,8 @@ class TrainRecipe:
             "keep_checkpoints": (self.keep_checkpoints >= 0, ">= 0 (0 keeps every checkpoint)"),
             "eval_every": (self.eval_every >= 0, ">= 0 (0: no evaluation)"),
             "eval_steps": (self.eval_steps >= 1, ">= 1"),
+            "on_nonfinite": (self.on_nonfinite in ON_NONFINITE, f"one of {ON_NONFINITE}"),
+            "max_skipped_steps": (self.max_skipped_steps >= 1, ">= 1"),
             "checkpoint_every": (self.checkpoint_every == 0 or (self.checkpoint_every > 0 and bool(
                 self.checkpoint_dir or self.output_dir)), ">= 0, and 0 when neither "
                 "train.checkpoint_dir nor train.output_dir says where checkpoints go"),

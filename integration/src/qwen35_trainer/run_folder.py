@@ -25,6 +25,7 @@ METRIC_FIELDS = (
     "step", "loss", "ce", "aux", "grad_norm", "lr", "tokens", "tokens_per_s", "step_seconds",
     "data_seconds", "peak_memory_mib", "expert_load_max_over_mean", "experts_idle",
     "cp_imbalance", "eval_loss", "mfu", "eval_accuracy", "fill", "over_capacity", "bad_rows",
+    "skipped_steps",
 )  # fmt: skip
 
 

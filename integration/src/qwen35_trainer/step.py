@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import resource
 from typing import Any
 
@@ -49,17 +50,19 @@ class StepResult:
     experts_idle: int
     cp_imbalance: float
     flops: float = 0.0
+    applied: bool = True  # False: a non-finite loss or gradient norm, the update not applied
 
 
 def micro_batches(recipe: Any, model, layout: Layout, step: int, device: torch.device, *,
                   offset: int = 0):  # fmt: skip
     """This rank's ``(batch, packed inputs or None)`` per micro-batch of step ``step``
     (``offset``: the stream's first sample index, :data:`qwen35_trainer.data.HELD_OUT_INDEX`
-    for held-out batches)."""
+    for held-out batches), and its documents' sources."""
     samples = rank_samples(recipe.model, recipe.data, step, layout.data_index, layout.data_size,
                            offset=offset)  # fmt: skip
     parts = _split(samples, recipe.train.grad_accum_steps, "data.samples_per_rank", "samples")
-    return _micro(parts, recipe, model, layout, device, recipe.data.pack_length)
+    micro = _micro(parts, recipe, model, layout, device, recipe.data.pack_length)
+    return micro, tuple(s.source for s in samples)
 
 
 def row_micro_batches(rows: list, recipe: Any, model, layout: Layout, device: torch.device):
@@ -126,7 +129,9 @@ def micro_flops(config, micro, layout: Layout) -> float:
 
 def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
                grad_clip: float | None, device: torch.device) -> StepResult:  # fmt: skip
-    """Forward and backward of every micro-batch, clip, optimizer step, zero the gradients."""
+    """Forward and backward of every micro-batch, clip, optimizer step, zero the gradients.
+    The step is not applied (``applied=False``; gradients dropped, optimizer state untouched)
+    when the global loss or gradient norm is not finite."""
     num_valid = count_valid(micro, layout, device)
     ce = aux = torch.zeros((), device=device)
     load = None
@@ -138,11 +143,14 @@ def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
         counts = torch.stack([b.stats.tokens_per_expert for b in objective.router.blocks])
         load = counts if load is None else load + counts
     grad_norm = clip_grad_norm(objective.parameters(), grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     flops = micro_flops(objective.model.config, micro, layout)
     totals = _all_reduce(torch.stack([ce, aux, torch.tensor(flops, device=device)]).double(),
                          layout)  # fmt: skip
+    # the norm (over every mesh) and the loss totals are global: every rank decides alike
+    applied = math.isfinite(grad_norm) and bool(totals[:2].isfinite().all())
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     load = _all_reduce(load, layout).float()  # [layers, experts] tokens routed
     mean = load.mean(dim=1).clamp(min=1e-9)
     cp_imbalance = max(p.layout.compute_imbalance for _, p in micro) if micro[0][1] else 1.0
@@ -155,6 +163,7 @@ def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
         experts_idle=int((load == 0).sum()),
         cp_imbalance=float(cp_imbalance),
         flops=float(totals[2]),
+        applied=applied,
     )
 
 
@@ -176,7 +185,7 @@ def evaluate(recipe: Any, objective, model, layout: Layout, *, aux_coef: float,
     labels = 0  # valid labels, global
     for e in range(recipe.train.eval_steps):
         if batches is None:
-            micro = micro_batches(recipe, model, layout, e, device, offset=HELD_OUT_INDEX)
+            micro, _ = micro_batches(recipe, model, layout, e, device, offset=HELD_OUT_INDEX)
         else:
             micro = batches(e)
         num_valid = count_valid(micro, layout, device)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.data.packing import enable_packing
 from qwen35_trainer.flops import peak_flops
 from qwen35_trainer.model import build_meta_model, export_hf, materialize
+from qwen35_trainer.nonfinite import NonFiniteGuard, NonFiniteStep
 from qwen35_trainer.objective import TrainingObjective
 from qwen35_trainer.parallel import check_layout, parallelize
 from qwen35_trainer.preemption import Preempted, StopFlag
@@ -76,7 +78,8 @@ class StepLog:
     is the time the step waited for its rows, ``fill`` the share of the rows' capacity holding
     document tokens, ``over_capacity`` the documents longer than ``data.pack_length``
     (truncated or dropped) and ``bad_rows`` the rows skipped under ``data.on_bad_row: skip``,
-    both in this step."""
+    both in this step; ``skipped_steps``: the steps of this run not applied so far
+    (non-finite, ``train.on_nonfinite: skip``; :mod:`qwen35_trainer.nonfinite`)."""
 
     step: int
     loss: float
@@ -97,13 +100,16 @@ class StepLog:
     fill: float | None = None
     over_capacity: int = 0
     bad_rows: int = 0
+    skipped_steps: int = 0
 
     def metrics(self) -> dict:
-        """The ``metrics.jsonl`` record (:data:`qwen35_trainer.run_folder.METRIC_FIELDS`)."""
+        """The ``metrics.jsonl`` record (:data:`qwen35_trainer.run_folder.METRIC_FIELDS`); a
+        non-finite number is ``null`` (JSON has none)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["step_seconds"] = out.pop("seconds")
         out["tokens_per_s"] = self.tokens / self.seconds if self.seconds > 0 else None
-        return out
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                for k, v in out.items()}  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -217,6 +223,9 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
         with stop.installed():
             _loop(recipe, objective, optimizer, layout, feed, folder, checkpoints, start, coef,
                   device, on_step, logs, stop)  # fmt: skip
+    except NonFiniteStep as failed:
+        failed.result = TrainResult(logs, objective, optimizer)
+        raise
     finally:
         if folder is not None:
             folder.close()
@@ -235,6 +244,7 @@ def _loop(recipe, objective, optimizer, layout, feed, folder, checkpoints, start
     world = dist.get_world_size() if dist.is_initialized() else 1
     writer = AsyncCheckpointer() if checkpoints and spec.async_checkpoint else None
     save = save_checkpoint if writer is None else writer.save
+    guard = NonFiniteGuard(spec.on_nonfinite, spec.max_skipped_steps)
     for step in range(start, spec.steps):
         began = time.perf_counter()
         lr = lr_at(step, spec)
@@ -243,12 +253,14 @@ def _loop(recipe, objective, optimizer, layout, feed, folder, checkpoints, start
         result = train_step(objective, optimizer, micro, layout, aux_coef=coef,
                             grad_clip=spec.grad_clip, device=device)  # fmt: skip
         seconds = time.perf_counter() - began
+        loss = result.ce + coef * result.aux
+        failed = guard.check(step + 1, loss, result, data.sources)
         eval_every, held_out = spec.eval_every, None
-        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == spec.steps):
+        if not failed and eval_every and ((step + 1) % eval_every == 0 or step + 1 == spec.steps):
             held_out = evaluate(recipe, objective, model, layout, aux_coef=coef, device=device,
                                 batches=feed.eval_batches())  # fmt: skip
         log = StepLog(
-            step + 1, result.ce + coef * result.aux, result.ce, result.aux,
+            step + 1, loss, result.ce, result.aux,
             result.grad_norm, result.tokens, seconds, lr=lr,
             eval_loss=held_out.loss if held_out else None,
             eval_accuracy=held_out.accuracy if held_out else None,
@@ -257,12 +269,17 @@ def _loop(recipe, objective, optimizer, layout, feed, folder, checkpoints, start
             expert_load_max_over_mean=result.expert_load_max_over_mean,
             experts_idle=result.experts_idle, cp_imbalance=result.cp_imbalance,
             mfu=result.flops / (seconds * world * peak) if peak and seconds > 0 else None,
+            skipped_steps=guard.skipped,
         )  # fmt: skip
         logs.append(log)
         if folder is not None:
             folder.record(log.metrics())
         if on_step is not None:
             on_step(log)
+        if failed:
+            if writer is not None:
+                writer.wait()  # the checkpoint being written completes: it stays the newest
+            raise failed
         every = spec.checkpoint_every
         stopping = stop.agreed(device)
         due = step + 1 == spec.steps or (every and (step + 1) % every == 0)

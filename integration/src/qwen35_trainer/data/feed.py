@@ -22,13 +22,15 @@ DATA_STATE = "data_state.json"
 
 @dataclasses.dataclass(frozen=True)
 class StepCounts:
-    """How the step's data came (global): the seconds the step waited for it, and with a
-    dataset the rows' fill and the documents over capacity / rows skipped."""
+    """How the step's data came: the seconds the step waited for it, and with a dataset the
+    rows' fill and the documents over capacity / rows skipped (global); ``sources``: where this
+    rank's documents of the step came from (``file:row``, in order)."""
 
     seconds: float
     fill: float | None = None
     over_capacity: int = 0
     bad_rows: int = 0
+    sources: tuple[str, ...] = ()
 
 
 class Feed:
@@ -50,12 +52,14 @@ class Feed:
 
         began = time.perf_counter()
         if self.stream is None:
-            micro = micro_batches(self.recipe, self.model, self.layout, step, self.device)
-            return micro, StepCounts(time.perf_counter() - began)
+            micro, sources = micro_batches(self.recipe, self.model, self.layout, step, self.device)
+            return micro, StepCounts(time.perf_counter() - began, sources=sources)
         data = self.stream.next_step()
         waited = time.perf_counter() - began
         micro = row_micro_batches(data.rows, self.recipe, self.model, self.layout, self.device)
-        return micro, StepCounts(waited, data.fill, data.truncated + data.dropped, data.skipped)
+        sources = tuple(doc.source for row in data.rows for doc in row)
+        counts = StepCounts(waited, data.fill, data.truncated + data.dropped, data.skipped, sources)
+        return micro, counts
 
     def eval_batches(self):
         """``batches(e)`` for :func:`qwen35_trainer.step.evaluate`: ``None`` (the synthetic
