@@ -4,6 +4,8 @@
 ``qwen35-train data make-demo DIR`` / ``qwen35-train data check RECIPE``: the demo dataset, and
 a report of a recipe's dataset read through its processor;
 ``qwen35-train checkpoint verify DIR``: is a checkpoint (or each one under DIR) intact?
+``qwen35-train replay RECIPE CHECKPOINT --step N``: step N recomputed from the checkpoint before
+it, with every layer's gradient norm and the documents of its batch.
 
 ``RECIPE`` is a YAML file or the name of a built-in recipe (``tiny``). A recipe that needs N
 ranks, run outside torchrun, starts its N local workers itself through PyTorch's elastic
@@ -69,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
         "training checkpoint as a transformers directory); qwen35-train data make-demo DIR | check "
         "RECIPE (write the demo dataset; read a recipe's dataset and report it); qwen35-train "
         "checkpoint verify DIR (each checkpoint intact, damaged or incomplete; exit 3 unless all "
-        "are intact). Outputs: runs/<recipe>-<time>/ "
+        "are intact); qwen35-train replay RECIPE CHECKPOINT --step N (recompute one step: "
+        "per-layer gradient norms, its documents). Outputs: runs/<recipe>-<time>/ "
         "(recipe.yaml, metrics.jsonl, tensorboard/, loss.png, logs/). Built-in recipes: "
         + ", ".join(builtin_recipes()),
     )
@@ -198,6 +201,37 @@ def _checkpoint_main(argv: list[str]) -> int:
     return 0 if all(v.state == INTACT for v in verdicts) else EXIT_NOT_INTACT
 
 
+def _replay_main(argv: list[str]) -> int:
+    """``qwen35-train replay RECIPE CHECKPOINT --step N``: step N recomputed from the checkpoint
+    before it, on the recipe's launch (its workers started here when needed); exit 0, or 2
+    with the reason."""
+    parser = argparse.ArgumentParser(
+        prog="qwen35-train replay",
+        description="Recompute one training step from the checkpoint before it: its loss and "
+        "gradient norm (compared with the run's metrics.jsonl), every layer's gradient norm "
+        "before clipping, and the documents of its global batch.",
+    )
+    add_recipe_arguments(parser, recipe_help="the recipe the run was trained with")
+    parser.add_argument("checkpoint", type=Path, help="a step_NNNNNN directory or its parent")
+    parser.add_argument("--step", type=int, required=True, help="the step to recompute (1-based)")
+    args = parser.parse_args(argv)
+    printing = os.environ.get("RANK", "0") == "0"
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        if "WORLD_SIZE" not in os.environ and _world(recipe.parallel) > 1:
+            return _launch(["replay", *argv], _world(recipe.parallel), 0)
+        from qwen35_trainer.replay import logged_record, replay
+
+        result = replay(recipe, args.checkpoint, args.step)
+    except (OSError, ValueError) as err:
+        if printing:
+            print(f"qwen35-train replay: {err}", file=sys.stderr, flush=True)
+        return EXIT_BAD_RECIPE
+    if printing:
+        print(result.report(logged_record(result.checkpoint, args.step)), flush=True)
+    return 0
+
+
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:
@@ -214,6 +248,8 @@ def _main(argv: list[str] | None) -> int:
         return data_main(argv[1:])
     if argv[:1] == ["checkpoint"]:
         return _checkpoint_main(argv[1:])
+    if argv[:1] == ["replay"]:
+        return _replay_main(argv[1:])
     args = _parser().parse_args(argv)
     printing = os.environ.get("RANK", "0") == "0"
 

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import math
 import resource
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,10 +129,12 @@ def micro_flops(config, micro, layout: Layout) -> float:
 
 
 def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
-               grad_clip: float | None, device: torch.device) -> StepResult:  # fmt: skip
+               grad_clip: float | None, device: torch.device,
+               before_clip: Callable[[], None] | None = None) -> StepResult:  # fmt: skip
     """Forward and backward of every micro-batch, clip, optimizer step, zero the gradients.
     The step is not applied (``applied=False``; gradients dropped, optimizer state untouched)
-    when the global loss or gradient norm is not finite."""
+    when the global loss or gradient norm is not finite. ``before_clip``: called (on every
+    rank) once the step's gradients are complete, before they are clipped."""
     num_valid = count_valid(micro, layout, device)
     ce = aux = torch.zeros((), device=device)
     load = None
@@ -142,6 +145,8 @@ def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
         ce, aux = ce + shares.ce.detach(), aux + micro_aux.detach()
         counts = torch.stack([b.stats.tokens_per_expert for b in objective.router.blocks])
         load = counts if load is None else load + counts
+    if before_clip is not None:
+        before_clip()
     grad_norm = clip_grad_norm(objective.parameters(), grad_clip)
     flops = micro_flops(objective.model.config, micro, layout)
     totals = _all_reduce(torch.stack([ce, aux, torch.tensor(flops, device=device)]).double(),

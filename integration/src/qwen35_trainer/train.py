@@ -53,7 +53,7 @@ from qwen35_trainer.flops import peak_flops
 from qwen35_trainer.model import build_meta_model, export_hf, materialize
 from qwen35_trainer.nonfinite import NonFiniteGuard, NonFiniteStep
 from qwen35_trainer.objective import TrainingObjective
-from qwen35_trainer.parallel import check_layout, parallelize
+from qwen35_trainer.parallel import Layout, check_layout, parallelize
 from qwen35_trainer.preemption import Preempted, StopFlag
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.run_folder import RunFolder, resolved_recipe
@@ -61,7 +61,7 @@ from qwen35_trainer.schedule import lr_at, set_lr
 from qwen35_trainer.step import evaluate, peak_memory_mib, train_step
 from safe_optim import build_optimizer
 
-__all__ = ["StepLog", "TrainResult", "train"]
+__all__ = ["Setup", "StepLog", "TrainResult", "setup", "start_processes", "train"]
 
 logger = logging.getLogger("qwen35_trainer")
 
@@ -164,33 +164,61 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
 
     Under ``torchrun`` (``WORLD_SIZE`` > 1) the process group is created here unless it exists.
     """
-    bf16 = recipe.train.dtype == "bfloat16"
+    start_processes(recipe)
+    return _train(recipe, on_step)
+
+
+def start_processes(recipe: Recipe) -> None:
+    """Check the layout against the launch (before any collective) and create the process
+    group: torchrun's, or a one-rank group for one process."""
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         check_layout(recipe.parallel, world, packing=recipe.data.packing)
     _init_distributed()
-    return _train(recipe, on_step, bf16)
 
 
-def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
+@dataclasses.dataclass
+class Setup:
+    """What a run trains, on this rank: the objective (the model parallelised and materialised),
+    its optimizer, where this rank sits, its device and the aux-loss coefficient."""
+
+    objective: TrainingObjective
+    optimizer: torch.optim.Optimizer
+    layout: Layout
+    device: torch.device
+    aux_coef: float
+
+
+def setup(recipe: Recipe) -> Setup:
+    """Build the recipe's model on meta, parallelise it, materialise this rank's shards (name-
+    seeded, or ``model.weights``) and make its optimizer (after :func:`start_processes`)."""
     device = _device()
     model = build_meta_model(recipe.model)
     if recipe.data.packing:
         enable_packing(model)
-    objective = TrainingObjective(model, loss_chunk_size=recipe.train.loss_chunk_size)
+    spec = recipe.train
+    objective = TrainingObjective(model, loss_chunk_size=spec.loss_chunk_size)
     layout = parallelize(
         objective,
         recipe.parallel,
         device,
         packing=recipe.data.packing,
-        activation_checkpointing=recipe.train.activation_checkpointing,
-        param_dtype=torch.bfloat16 if bf16 else None,
+        activation_checkpointing=spec.activation_checkpointing,
+        param_dtype=torch.bfloat16 if spec.dtype == "bfloat16" else None,
         force_fsdp=True,
     )
-    materialize(model, device, seed=recipe.train.seed, weights=recipe.model.weights)
-    spec = recipe.train
+    materialize(model, device, seed=spec.seed, weights=recipe.model.weights)
     optimizer = build_optimizer(objective.parameters(), optimizer_name(spec.optimizer), lr=spec.lr,
                                 betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)  # fmt: skip
+    coef = spec.router_aux_loss_coef
+    coef = model.config.text_config.router_aux_loss_coef if coef is None else coef
+    return Setup(objective, optimizer, layout, device, coef)
+
+
+def _train(recipe: Recipe, on_step) -> TrainResult:
+    run = setup(recipe)
+    objective, optimizer, layout, device = run.objective, run.optimizer, run.layout, run.device
+    model, spec, coef = objective.model, recipe.train, run.aux_coef
     if spec.prewarm:
         from setup_prewarm import prewarm
 
@@ -215,8 +243,6 @@ def _train(recipe: Recipe, on_step, bf16: bool) -> TrainResult:
             logger.info(message)
             if folder is not None:
                 folder.note(message)
-    coef = spec.router_aux_loss_coef
-    coef = model.config.text_config.router_aux_loss_coef if coef is None else coef
     logs = []
     stop = StopFlag()
     try:
