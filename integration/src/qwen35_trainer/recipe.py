@@ -62,7 +62,10 @@ class DataRecipe:
     recipe that names one runs that code); ``processor`` the
     transformers processor directory (``builtin:demo/...`` paths name the demo dataset,
     :mod:`qwen35_trainer.data.demo`, written on first use); ``eval_path`` / ``eval_split`` the
-    held-out rows; ``train_on`` ``assistant`` (SFT) or ``all``; ``global_batch`` packed rows of
+    held-out rows; ``train_on`` ``assistant`` (every assistant turn as the full rendering
+    shows it), ``last_assistant`` (the turns after the last user query) or ``all`` (every text
+    token); ``chat_template_kwargs`` reach the chat template (e.g. ``enable_thinking: false``,
+    Qwen3.6's ``preserve_thinking: true``); ``global_batch`` packed rows of
     ``pack_length`` tokens per step (``None``: one per data-parallel rank); ``over_capacity``
     ``truncate`` or ``drop``; ``on_bad_row`` ``raise`` or ``skip``; ``workers`` / ``prefetch``
     loader processes and documents each reads ahead; ``shuffle`` each epoch (seeded by
@@ -101,6 +104,7 @@ class DataRecipe:
     video_fps: float | None = None
     max_frames: int | None = None
     frames_fps: float = 2.0
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def dataset(self) -> bool:
@@ -147,7 +151,7 @@ class DataRecipe:
         }, self)  # fmt: skip
 
 
-TRAIN_ON = ("assistant", "all")
+TRAIN_ON = ("assistant", "last_assistant", "all")
 OVER_CAPACITY = ("truncate", "drop")
 ON_BAD_ROW = ("raise", "skip")
 

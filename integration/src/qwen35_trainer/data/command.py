@@ -19,7 +19,7 @@ EXIT_BAD_ROWS = 3
 
 
 def _check(recipe, limit: int | None) -> int:
-    from qwen35_trainer.data.conversation import ConversationEncoder, DataError, TokenIds
+    from qwen35_trainer.data.conversation import ConversationEncoder, DataError
     from qwen35_trainer.data.demo import resolve
     from qwen35_trainer.data.loader import open_rows
     from qwen35_trainer.model import build_config
@@ -27,11 +27,9 @@ def _check(recipe, limit: int | None) -> int:
     data, model = recipe.data, recipe.model
     if not data.path:
         raise ValueError("data check needs data.path (a data.source iterable is the user's code)")
-    ids = TokenIds(model.image_token_id, model.video_token_id, model.vision_start_token_id,
-                   model.vision_end_token_id)  # fmt: skip
-    encoder = ConversationEncoder(resolve(data.processor), ids, build_config(model),
-                                  train_on=data.train_on, video_fps=data.video_fps,
-                                  max_frames=data.max_frames, frames_fps=data.frames_fps)  # fmt: skip
+    encoder = ConversationEncoder.from_recipe(data, model, build_config(model),
+                                              resolve(data.processor))  # fmt: skip
+    encoder.check_template()
     path = resolve(data.path)
     rows, base = open_rows(path, data.split)
     count = len(rows) if limit is None else min(limit, len(rows))

@@ -1,25 +1,32 @@
 """Conversation rows → documents, through the model's own processor.
 
-A row is ``{"messages": [{"role", "content"}, ...]}``; ``content`` is a string or a list of parts
+A row is ``{"messages": [{"role", "content"}, ...]}`` (optionally ``"tools"``: the function
+schemas the chat template lists); ``content`` is a string or a list of parts
 ``{"type": "text", "text"}``, ``{"type": "image", "path"}``, ``{"type": "video", "path"}`` where a
 video ``path`` is a video file (decoded with PyAV) or a list of frame image paths (optionally
 with ``"fps"``, default ``data.frames_fps``). Relative paths are relative to the dataset file.
+Roles: ``system``, ``user``, ``assistant`` (which may carry ``reasoning_content`` and
+``tool_calls``: ``[{"function": {"name", "arguments"}}]``, its content then optional) and
+``tool`` (a tool's result), as the ecosystem's chat format has them.
 
-:class:`ConversationEncoder` renders the row with the processor's chat template and runs the
+:class:`ConversationEncoder` renders the row ONCE with the processor's chat template
+(``data.chat_template_kwargs`` reach the template, e.g. ``enable_thinking: false``) and runs the
 processor unchanged (image resizing within its ``min_pixels`` / ``max_pixels``, video frame
 sampling at its ``fps`` up to ``max_frames`` — ``data.video_fps`` / ``data.max_frames`` override —
 and Qwen3.5's per-frame timestamps). Only the frames the processor samples are decoded.
 
-Loss masking (``data.train_on``): ``assistant`` labels exactly the tokens of assistant turns,
-``all`` every text token. The assistant turns are found with the template itself: turn ``i``'s
-text is what ``render(messages[:i+1])`` adds to ``render(messages[:i], add_generation_prompt)``,
-and both must be prefixes of the whole rendering (checked: a template that rewrites earlier turns
-is refused, not silently mislabelled). The rendering is cut at those boundaries and the pieces go
-through the processor as one list, so media expand in order across the pieces and every token
-knows its piece. Media placeholders never carry labels.
+Loss masking (``data.train_on``): ``assistant`` labels what the model generates in every
+assistant turn of the full rendering (:mod:`qwen35_trainer.data.chat_turns`: the turn after its
+header and after the tokens the generation prompt supplies, through its closing ``<|im_end|>``;
+with Qwen3.5's template earlier turns without their reasoning, the latest with it),
+``last_assistant`` only the turns after the last user query, ``all`` every text token. The
+rendering is cut at the labelled spans and the pieces go through the processor as one list, so
+media expand in order and every token knows its piece; a labelled turn is tokenized apart from
+the prompt before it, as it is at inference. Media placeholders never carry labels.
 
-Every problem — an unreadable row, an unknown part type, a missing or unreadable media file, a
-row without a trainable turn — raises :class:`DataError` naming the file and row.
+Every problem — an unreadable row, an unknown part type or role, a missing or unreadable media
+file, a row without a trainable turn, a turn the template renders where it cannot be located
+exactly — raises :class:`DataError` naming the file and row.
 """
 
 from __future__ import annotations
@@ -31,11 +38,12 @@ from typing import Any
 import torch
 
 from qwen35_trainer.data.batch import IGNORE_INDEX, DataError, Sample
+from qwen35_trainer.data.chat_turns import assistant_spans, template_shape
 from qwen35_trainer.data.media import frame_list_video, open_image, video_file
 
 __all__ = ["ConversationEncoder", "DataError", "TokenIds", "check_messages"]
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 PART_TYPES = ("text", "image", "video")
 
 
@@ -50,7 +58,8 @@ class TokenIds:
 
 
 def check_messages(row: Any, where: str) -> list[dict]:
-    """The row's ``messages``, checked: a list of ``{role, content}`` with known roles and parts."""
+    """The row's ``messages``, checked: a list of ``{role, content}`` with known roles and parts
+    (an assistant turn with ``tool_calls`` may have no content)."""
     messages = row.get("messages") if isinstance(row, dict) else None
     if not isinstance(messages, list) or not messages:
         raise DataError(
@@ -59,8 +68,9 @@ def check_messages(row: Any, where: str) -> list[dict]:
     for t, turn in enumerate(messages):
         if not isinstance(turn, dict) or turn.get("role") not in ROLES:
             raise DataError(f"{where}: messages[{t}] must have a role in {ROLES}, got {turn!r:.80}")
+        _check_extras(turn, f"{where}: messages[{t}]")
         content = turn.get("content")
-        if isinstance(content, str):
+        if isinstance(content, str) or (content is None and turn.get("tool_calls")):
             continue
         if not isinstance(content, list):
             raise DataError(f"{where}: messages[{t}].content must be a string or a list of parts")
@@ -80,13 +90,31 @@ def check_messages(row: Any, where: str) -> list[dict]:
     return messages
 
 
+def _check_extras(turn: dict, where: str) -> None:
+    """An assistant turn's ``reasoning_content`` is a string and its ``tool_calls`` name their
+    functions; other roles carry neither."""
+    reasoning, calls = turn.get("reasoning_content"), turn.get("tool_calls")
+    if turn["role"] != "assistant" and (reasoning is not None or calls):
+        raise DataError(f"{where}: only assistant turns have reasoning_content / tool_calls")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise DataError(f"{where}.reasoning_content must be a string, got {reasoning!r:.80}")
+    if calls is None:
+        return
+    for c, call in enumerate(calls if isinstance(calls, list) else [None]):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DataError(f"{where}.tool_calls[{c}] must be {{'function': {{'name': str, "
+                            f"'arguments': ...}}}}, got {call!r:.80}")  # fmt: skip
+
+
 class ConversationEncoder:
     """Encodes rows with the processor in ``processor_dir`` (loaded lazily, so the encoder can be
     sent to data-loader workers). ``config``: the model config (for M-RoPE positions)."""
 
     def __init__(self, processor_dir: str, ids: TokenIds, config: Any, *, train_on: str = "assistant",
                  video_fps: float | None = None, max_frames: int | None = None,
-                 frames_fps: float = 2.0) -> None:  # fmt: skip
+                 frames_fps: float = 2.0,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.processor_dir = processor_dir
         self.ids = ids
         self.config = config
@@ -94,7 +122,18 @@ class ConversationEncoder:
         self.video_fps = video_fps
         self.max_frames = max_frames
         self.frames_fps = frames_fps
-        self._processor = None
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self._processor = self._shape = None
+
+    @classmethod
+    def from_recipe(cls, data: Any, model: Any, config: Any, processor_dir: str):
+        """The encoder a recipe's ``data`` and ``model`` sections describe (``processor_dir``:
+        ``data.processor`` resolved)."""
+        ids = TokenIds(model.image_token_id, model.video_token_id, model.vision_start_token_id,
+                       model.vision_end_token_id)  # fmt: skip
+        return cls(processor_dir, ids, config, train_on=data.train_on, video_fps=data.video_fps,
+                   max_frames=data.max_frames, frames_fps=data.frames_fps,
+                   chat_template_kwargs=data.chat_template_kwargs)  # fmt: skip
 
     @property
     def processor(self):
@@ -104,13 +143,28 @@ class ConversationEncoder:
                 self._processor.video_processor.max_frames = self.max_frames
         return self._processor
 
+    def check_template(self) -> None:
+        """``ValueError`` (the same on every rank) when the processor's chat template cannot be
+        labelled exactly (:func:`qwen35_trainer.data.chat_turns.template_shape`); with
+        ``train_on: all`` such a template is used unlabelled, uncut."""
+        if self._shape is not None:
+            return
+        try:
+            self._shape = template_shape(self.processor.apply_chat_template,
+                                         self.template_kwargs,
+                                         f"data.processor {self.processor_dir}")  # fmt: skip
+        except ValueError:
+            if self.train_on != "all":
+                raise
+            self._shape = False
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_processor": None}
 
     def __call__(self, row: Any, where: str, base: Path) -> Sample:
         messages = check_messages(row, where)
         processor = self.processor
-        pieces, trained = self._pieces(messages, where)
+        pieces, trained = self._pieces(messages, row.get("tools"), where)
         images, videos, metadata = self._media(messages, where, base)
         kwargs: dict[str, Any] = {}
         if videos:
@@ -124,11 +178,7 @@ class ConversationEncoder:
         for piece_ids, piece_mm, train in zip(out["input_ids"], out["mm_token_type_ids"], trained,
                                               strict=True):  # fmt: skip
             piece_ids, piece_mm = torch.tensor(piece_ids), torch.tensor(piece_mm)
-            take = (
-                piece_mm == 0
-                if (train or self.train_on == "all")
-                else torch.zeros_like(piece_mm, dtype=torch.bool)
-            )
+            take = piece_mm == 0 if train else torch.zeros_like(piece_mm, dtype=torch.bool)
             ids.append(piece_ids)
             mm.append(piece_mm)
             labels.append(piece_ids.masked_fill(~take, IGNORE_INDEX))
@@ -147,33 +197,31 @@ class ConversationEncoder:
                                               sample.video_grid_thw)  # fmt: skip
         return sample
 
-    def _pieces(self, messages: list[dict], where: str) -> tuple[list[str], list[bool]]:
-        """The rendering cut at every assistant turn's start and end; ``trained[k]``: piece ``k``
-        is an assistant turn."""
-        render = self.processor.apply_chat_template
-        whole = render(messages, tokenize=False)
-        cuts: list[tuple[int, int]] = []
-        for i, turn in enumerate(messages):
-            if turn["role"] != "assistant":
-                continue
-            prompt = render(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-            done = render(messages[: i + 1], tokenize=False)
-            if not (done.startswith(prompt) and whole.startswith(done)):
-                raise DataError(f"{where}: the chat template renders messages[{i}] (assistant) "
-                                "differently once later turns follow; its tokens cannot be "
-                                "labelled exactly")  # fmt: skip
-            cuts.append((len(prompt), len(done)))
+    def _pieces(self, messages: list[dict], tools: Any, where: str) -> tuple[list[str], list[bool]]:
+        """The full rendering cut at every labelled span's start and end; ``trained[k]``: piece
+        ``k`` is a labelled span."""
+        kwargs = {**self.template_kwargs, **({"tools": tools} if tools else {})}
+        try:
+            whole = self.processor.apply_chat_template(messages, tokenize=False, **kwargs)
+        except Exception as error:  # the template's own raise_exception, jinja's errors
+            raise DataError(f"{where}: the chat template refused the row: {error}") from error
+        self.check_template()
+        if self._shape is False:  # train_on: all, a template whose turns cannot be located
+            return [whole], [True]
+        every = self.train_on == "all"  # cut at the same turns, so the ids do not depend on it
+        spans = assistant_spans(whole, messages, self._shape,
+                                "assistant" if every else self.train_on, where)  # fmt: skip
         pieces, trained, at = [], [], 0
-        for start, end in cuts:
+        for start, end in spans:
             if start > at:
                 pieces.append(whole[at:start])
-                trained.append(False)
+                trained.append(every)
             pieces.append(whole[start:end])
             trained.append(True)
             at = end
         if at < len(whole) or not pieces:
             pieces.append(whole[at:])
-            trained.append(False)
+            trained.append(every)
         return pieces, trained
 
     def _media(self, messages: list[dict], where: str, base: Path):

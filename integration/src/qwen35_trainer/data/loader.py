@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from qwen35_trainer.data.batch import IGNORE_INDEX, Sample
-from qwen35_trainer.data.conversation import ConversationEncoder, DataError, TokenIds
+from qwen35_trainer.data.conversation import ConversationEncoder, DataError
 from qwen35_trainer.data.demo import resolve
 
 __all__ = ["DataStream", "StepData", "open_rows", "truncate"]
@@ -233,13 +233,9 @@ class DataStream:
                  eval: bool = False) -> None:  # fmt: skip
         data = recipe.data
         self.data, self.layout, self.device = data, layout, device
-        model = recipe.model
-        ids = TokenIds(model.image_token_id, model.video_token_id, model.vision_start_token_id,
-                       model.vision_end_token_id)  # fmt: skip
-        self.encoder = ConversationEncoder(resolve(data.processor), ids, config,
-                                           train_on=data.train_on, video_fps=data.video_fps,
-                                           max_frames=data.max_frames,
-                                           frames_fps=data.frames_fps)  # fmt: skip
+        self.encoder = ConversationEncoder.from_recipe(data, recipe.model, config,
+                                                       resolve(data.processor))  # fmt: skip
+        self.encoder.check_template()  # the same verdict on every rank, before any collective
         self.spec = {"path": resolve(data.eval_path if eval else data.path),
                      "source": None if eval else data.source,
                      "split": data.eval_split if eval else data.split,
