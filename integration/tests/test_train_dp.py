@@ -152,7 +152,7 @@ def launch(request, references, tmp_path_factory):
     checks["resume"] = named_check(
         f"resume@{world}",
         check_resume_equals_uninterrupted,
-    check_resume_skips_a_damaged_checkpoint,
+        check_resume_skips_a_damaged_checkpoint,
         ("parallel.ep=2",),
         str(saved),
         *references["base"],
@@ -160,7 +160,7 @@ def launch(request, references, tmp_path_factory):
     checks["resume_async"] = named_check(
         f"resume_async@{world}",
         check_resume_equals_uninterrupted,
-    check_resume_skips_a_damaged_checkpoint,
+        check_resume_skips_a_damaged_checkpoint,
         ("parallel.ep=2", "train.async_checkpoint=true"),
         str(tmp_path_factory.mktemp(f"async_ckpt_world{world}")),
         *references["base"],
