@@ -100,3 +100,19 @@ def _byte_of(ch: str) -> int:
         return ord(ch)
     others = [b for b in range(256) if b not in printable]
     return others[ord(ch) - 256]
+
+
+def checkpoint_dir(folder: Path, demo_processor: Path, template: str = QWEN35_TEMPLATE) -> Path:
+    """A transformers checkpoint directory as people have one: a small Qwen3.5 MoE-VLM (the
+    tiny recipe's shapes on the byte vocabulary) written by transformers' own
+    ``save_pretrained``, with a processor and ``template`` saved beside it."""
+    import torch
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from qwen35_trainer import load_recipe
+    from qwen35_trainer.model import build_config
+
+    config = build_config(load_recipe("tiny", list(MODEL)).model)
+    torch.manual_seed(0)
+    Qwen3_5MoeForConditionalGeneration(config).save_pretrained(folder)
+    return byte_processor(folder, template, demo_processor)

@@ -50,7 +50,7 @@ def _export(recipe, checkpoint: Path, out: Path) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) \
         if torch.cuda.is_available() else torch.device("cpu")  # fmt: skip
     world = dist.get_world_size() if dist.is_initialized() else 1
-    spec = dataclasses.replace(recipe.model, weights=None)
+    spec = dataclasses.replace(recipe.model, weights=None, path=None)
     model = build_meta_model(spec)
     objective = TrainingObjective(model)
     parallelize(objective, ParallelRecipe(dp=world), device)

@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from qwen35_trainer.model_path import with_checkpoint_config
+
 __all__ = [
     "DataRecipe",
     "ModelRecipe",
@@ -39,7 +41,13 @@ __all__ = [
 class ModelRecipe:
     """``text`` / ``vision``: keyword arguments of ``Qwen3_5MoeTextConfig`` /
     ``Qwen3_5MoeVisionConfig``; the token ids place image tokens inside the vocabulary.
-    ``weights``: a transformers checkpoint directory to start from (same architecture)."""
+
+    ``path``: a transformers checkpoint directory, the source of truth: its ``config.json``
+    fills ``text``, ``vision`` and the token ids (a value the recipe states must equal it), its
+    safetensors are the starting weights and its processor the data's
+    (:mod:`qwen35_trainer.model_path`); ``override``: deliberate changes to ``config.json``
+    (``text`` / ``vision`` mappings, token ids). ``weights``: without ``path``, a transformers
+    checkpoint directory to start from whose config the recipe states (same architecture)."""
 
     text: dict[str, Any]
     vision: dict[str, Any]
@@ -49,6 +57,18 @@ class ModelRecipe:
     vision_end_token_id: int
     expert_backend: str = "auto"
     weights: str | None = None
+    path: str | None = None
+    override: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.path and self.weights:
+            raise ValueError("model.weights and model.path are two sources of weights: with "
+                             "model.path the weights are its safetensors (drop model.weights)")  # fmt: skip
+
+    @property
+    def weights_dir(self) -> str | None:
+        """Where the starting weights are read from (``None``: name-seeded initialisation)."""
+        return self.path or self.weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,6 +408,7 @@ def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
         raise ValueError(f"unknown recipe section(s) {unknown}; known: {sorted(_SECTIONS)}")
     if "model" not in data:
         raise ValueError("a recipe needs a 'model' section")
+    data = with_checkpoint_config(dict(data))
     hints = typing.get_type_hints(Recipe)
     return Recipe(**{name: _section(name, hints[name], data[name]) for name in data})
 

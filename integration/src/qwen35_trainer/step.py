@@ -25,6 +25,7 @@ from fsdp_compat import clip_grad_norm
 from qwen35_trainer.data import HELD_OUT_INDEX, IGNORE_INDEX, collate, rank_samples
 from qwen35_trainer.data.packing import pack
 from qwen35_trainer.flops import training_flops
+from qwen35_trainer.model.config import pad_token_id
 from qwen35_trainer.parallel import Layout
 
 __all__ = [
@@ -89,7 +90,7 @@ def _micro(parts: list[list], recipe: Any, model, layout: Layout, device: torch.
            capacity: int | None) -> list:  # fmt: skip
     """Each part's documents as one packed row (``capacity`` tokens at most), or right-padded
     rows without ``data.packing``, on ``device``."""
-    pad = model.config.text_config.pad_token_id
+    pad = pad_token_id(model.config)
     out = []
     for docs in parts:
         if recipe.data.packing:

@@ -207,7 +207,7 @@ def setup(recipe: Recipe) -> Setup:
         param_dtype=torch.bfloat16 if spec.dtype == "bfloat16" else None,
         force_fsdp=True,
     )
-    materialize(model, device, seed=spec.seed, weights=recipe.model.weights)
+    materialize(model, device, seed=spec.seed, weights=recipe.model.weights_dir)
     optimizer = build_optimizer(objective.parameters(), optimizer_name(spec.optimizer), lr=spec.lr,
                                 betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)  # fmt: skip
     coef = spec.router_aux_loss_coef

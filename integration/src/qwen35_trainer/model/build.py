@@ -122,4 +122,4 @@ def materialize(model: nn.Module, device: torch.device | str, *, seed: int = 0,
 def build_model(spec: ModelRecipe, *, seed: int = 0) -> nn.Module:
     """The recipe's model on the host, unsharded: name-seeded random weights, or
     ``spec.weights`` loaded."""
-    return materialize(build_meta_model(spec), "cpu", seed=seed, weights=spec.weights)
+    return materialize(build_meta_model(spec), "cpu", seed=seed, weights=spec.weights_dir)

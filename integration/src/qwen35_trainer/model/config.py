@@ -17,7 +17,7 @@ from typing import Any
 
 from qwen35_trainer.recipe import ModelRecipe
 
-__all__ = ["build_config", "check_shapes"]
+__all__ = ["build_config", "check_shapes", "pad_token_id"]
 
 
 def _checked(name: str, config_cls: type, values: dict[str, Any]) -> dict[str, Any]:
@@ -36,8 +36,10 @@ def build_config(spec: ModelRecipe) -> Any:
         Qwen3_5MoeVisionConfig,
     )
 
-    text = _checked("text", Qwen3_5MoeTextConfig, spec.text)
-    vision = _checked("vision", Qwen3_5MoeVisionConfig, spec.vision)
+    text, vision = spec.text, spec.vision
+    if spec.path is None:  # else they are config.json's (model_path), keys beyond the defaults too
+        text = _checked("text", Qwen3_5MoeTextConfig, text)
+        vision = _checked("vision", Qwen3_5MoeVisionConfig, vision)
     try:
         config = Qwen3_5MoeConfig(
             text_config=text,
@@ -94,3 +96,17 @@ def check_shapes(config: Any) -> None:
                f"{vision.num_heads}, out {vision.out_hidden_size}")  # fmt: skip
         raise ValueError("model shapes do not fit together: expected " + "; ".join(failed)
                          + f" (got {got})")  # fmt: skip
+
+
+def pad_token_id(config: Any) -> int:
+    """The id a packed row's padding run and right-padded rows are filled with (never a label,
+    never attended): the text config's ``pad_token_id``, else its end-of-text id (the public
+    Qwen3.5 configs have no pad id), else 0. Not written into the config: transformers would make
+    it the embedding's padding index, whose row then never trains."""
+    text = config.text_config
+    for value in (text.pad_token_id, getattr(text, "eos_token_id", None)):
+        if isinstance(value, list | tuple):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
