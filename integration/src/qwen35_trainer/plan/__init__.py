@@ -16,10 +16,11 @@ import math
 import torch
 
 from qwen35_trainer.model.config import build_config
+from qwen35_trainer.plan.headroom import Headroom, process_groups
 from qwen35_trainer.plan.memory import ROUTING_SKEW, Memory, Shape, memory
 from qwen35_trainer.plan.world import fake_world, rescaled
 
-__all__ = ["Plan", "communication", "plan", "row_shape"]
+__all__ = ["Headroom", "Plan", "communication", "plan", "row_shape"]
 
 GIB = 1 << 30
 
@@ -34,10 +35,23 @@ class Plan:
     ranks: dict[int, Memory]
     communication: dict[str, int]
     gpu_memory_gib: float
+    headroom: Headroom = dataclasses.field(default_factory=Headroom)
+
+    @property
+    def counted_gib(self) -> float:
+        """The peak of the tensors counted (:mod:`.memory`), the larger rank's."""
+        return max(m.peak for m in self.ranks.values()) / GIB
+
+    @property
+    def headroom_terms(self) -> dict[str, int]:
+        """What the GPU holds beyond the counted tensors (:mod:`.headroom`), in bytes."""
+        counted = max(m.peak for m in self.ranks.values())
+        return self.headroom.terms(counted, process_groups(self.layout))
 
     @property
     def peak_gib(self) -> float:
-        return max(m.peak for m in self.ranks.values()) / GIB
+        """The predicted peak: the counted tensors and every headroom term."""
+        return self.counted_gib + sum(self.headroom_terms.values()) / GIB
 
     @property
     def fits(self) -> bool:
@@ -51,7 +65,9 @@ class Plan:
             "ranks": {str(r): {**dataclasses.asdict(m), "peak": m.peak}
                       for r, m in self.ranks.items()},
             "communication_bytes_per_step": self.communication,
-            "routing_skew": ROUTING_SKEW, "predicted_peak_gib": self.peak_gib,
+            "routing_skew": ROUTING_SKEW, "counted_peak_gib": self.counted_gib,
+            "headroom_gib": {k: v / GIB for k, v in self.headroom_terms.items()},
+            "predicted_peak_gib": self.peak_gib,
             "gpu_memory_gib": self.gpu_memory_gib, "fits": self.fits,
         }  # fmt: skip
 
@@ -131,9 +147,10 @@ def _rank_plan(recipe, world: int, rank: int):
 
 
 def plan(recipe, *, name: str = "recipe", world_size: int | None = None,
-         gpu_memory_gib: float = 80.0) -> Plan:  # fmt: skip
+         gpu_memory_gib: float = 80.0, headroom: Headroom | None = None) -> Plan:  # fmt: skip
     """The :class:`Plan` of ``recipe`` on ``world_size`` ranks (default: what it needs);
-    ``ValueError`` with the reasons for a layout that cannot run."""
+    ``ValueError`` with the reasons for a layout that cannot run. ``headroom``: the terms
+    beyond the counted tensors (default: :class:`Headroom`'s)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -154,4 +171,6 @@ def plan(recipe, *, name: str = "recipe", world_size: int | None = None,
     text = build_config(recipe.model).text_config
     active = total - routed + routed * text.num_experts_per_tok // text.num_experts
     layout = {k: getattr(recipe.parallel, k) for k in ("dp_replicate", "dp", "cp", "tp", "ep")}
-    return Plan(name, world, layout, total, active, ranks, traffic, gpu_memory_gib)
+    return Plan(
+        name, world, layout, total, active, ranks, traffic, gpu_memory_gib, headroom or Headroom()
+    )

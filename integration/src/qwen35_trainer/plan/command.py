@@ -1,7 +1,9 @@
 """``qwen35-train plan RECIPE [--world-size N] [--gpu-memory GiB] [--json FILE]``.
 
-Prints the plan (:func:`qwen35_trainer.plan.plan`) as a table and exits 0 when the predicted
-peak fits ``--gpu-memory`` (default 80 GiB), 3 when it does not, 2 for a recipe or layout
+Prints the plan (:func:`qwen35_trainer.plan.plan`) as a table — the counted tensors, then each
+term of what the GPU holds beyond them (:mod:`qwen35_trainer.plan.headroom`, changed with
+``--headroom NAME=VALUE``) — and exits 0 when the predicted peak fits ``--gpu-memory`` (default
+80 GiB), 3 when it does not, 2 for a recipe or layout
 that cannot run (the reason is printed).
 """
 
@@ -11,7 +13,7 @@ import argparse
 import json
 import sys
 
-from qwen35_trainer.plan import GIB, Plan, plan
+from qwen35_trainer.plan import GIB, Headroom, Plan, plan
 from qwen35_trainer.recipe import add_recipe_arguments, load_recipe
 
 __all__ = ["EXIT_DOES_NOT_FIT", "format_plan", "plan_main"]
@@ -32,11 +34,14 @@ def format_plan(p: Plan) -> str:
     fields = list(next(iter(p.ranks.values())).__dataclass_fields__)
     for field in [*fields, "peak"]:
         values = "".join(f"{getattr(m, field) / GIB:12.2f}" for m in p.ranks.values())
-        lines.append(f"  {field:<19}{values}")
+        lines.append(f"  {'tensors counted' if field == 'peak' else field:<19}{values}")
+    lines += ["", "beyond the counted tensors (--headroom NAME=VALUE to change)"]
+    lines += [f"  {term:<27}{n / GIB:8.2f}" for term, n in p.headroom_terms.items()]
     lines += ["", "communication per step (GiB sent per rank)"]
     lines += [f"  {kind:<19}{n / GIB:12.2f}" for kind, n in p.communication.items()]
     verdict = "fits" if p.fits else "does NOT fit"
-    lines += ["", f"predicted peak {p.peak_gib:.2f} GiB per GPU: {verdict} in "
+    lines += ["", f"predicted peak {p.peak_gib:.2f} GiB per GPU ({p.counted_gib:.2f} counted + "
+              f"{p.peak_gib - p.counted_gib:.2f} headroom): {verdict} in "
               f"{p.gpu_memory_gib:g} GiB"]  # fmt: skip
     return "\n".join(lines)
 
@@ -47,11 +52,15 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--world-size", type=int, help="ranks (rescales the data-parallel degree)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB")
     parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON there")
+    parser.add_argument("--headroom", action="append", default=[], metavar="NAME=VALUE",
+                        help="change a term beyond the counted tensors (repeatable): "
+                        "cuda_context_gib, cublas_gib, nccl_gib_per_group, fragmentation")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         result = plan(recipe, name=str(args.recipe), world_size=args.world_size,
-                      gpu_memory_gib=args.gpu_memory)  # fmt: skip
+                      gpu_memory_gib=args.gpu_memory,
+                      headroom=Headroom.parse(args.headroom))  # fmt: skip
     except (OSError, ValueError) as err:
         print(f"qwen35-train plan: {err}", file=sys.stderr)
         return 2

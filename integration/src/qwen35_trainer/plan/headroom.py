@@ -1,0 +1,76 @@
+"""What a GPU holds beyond the tensors the planner counts, as stated terms.
+
+The planner counts tensors (:mod:`.memory`): parameters, gradients and moments exactly, the
+activations and buffers by formulas. A real process also holds memory that no tensor accounts
+for, and a verdict that leaves it out promises what the GPU will refuse (the 122B recipe counts
+33.6 GiB per GPU where the published run peaked at 60.55 GiB). Each term below is a stated
+default, printed on its own line and changed with ``qwen35-train plan --headroom NAME=VALUE``:
+
+- ``cuda_context_gib``: the CUDA context with the kernels of torch, NCCL, cuBLAS and the fused
+  kernels loaded (0.5–1 GiB on H100 with CUDA 12);
+- ``cublas_gib``: cuBLAS / cuBLASLt workspaces (32 MiB per handle and stream on Hopper; the
+  training, NCCL and DCP streams, fp32 and bf16 handles);
+- ``nccl_gib_per_group``: NCCL's buffers per communicator this rank joins (channels × peers ×
+  ``NCCL_BUFFSIZE``, plus NVLink SHARP buffers on H100), times the number of process groups
+  of the layout (:func:`process_groups`);
+- ``fragmentation``: the caching allocator's reserve above the allocated peak — freed blocks
+  of other sizes it keeps (variable-length all-to-all and vision rows make MoE-VLM training
+  fragment), and the backward's transient copies the formulas do not model — as a fraction
+  of the counted peak. 0.5 is reserved / allocated = 1.5, the ratio MoE runs commonly report;
+  calibrate it from a first real step's ``torch.cuda.memory_reserved()`` over
+  ``max_memory_allocated()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Headroom", "process_groups"]
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Headroom:
+    cuda_context_gib: float = 0.75
+    cublas_gib: float = 0.25
+    nccl_gib_per_group: float = 0.5
+    fragmentation: float = 0.5
+
+    @classmethod
+    def parse(cls, items: list[str]) -> Headroom:
+        """``NAME=VALUE`` items over the defaults; ``ValueError`` naming a bad one."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        values = {}
+        for item in items:
+            name, _, raw = item.partition("=")
+            try:
+                value = float(raw)
+            except ValueError:
+                value = -1.0
+            if name not in names or value < 0:
+                raise ValueError(
+                    f"--headroom {item!r}: expected NAME=VALUE with NAME one of "
+                    f"{names} and VALUE >= 0"
+                )
+            values[name] = value
+        return cls(**values)
+
+    def terms(self, counted: int, groups: int) -> dict[str, int]:
+        """The bytes of each term for a rank whose counted tensors peak at ``counted`` bytes
+        and which joins ``groups`` process groups."""
+        return {
+            "cuda context": int(self.cuda_context_gib * GIB),
+            "cuBLAS workspaces": int(self.cublas_gib * GIB),
+            f"NCCL buffers ({groups} groups)": int(self.nccl_gib_per_group * GIB * groups),
+            "allocator reserve": int(self.fragmentation * counted),
+        }
+
+
+def process_groups(layout: dict[str, int]) -> int:
+    """The communicators a rank of ``layout`` (dp_replicate, dp, cp, tp, ep) joins: one per
+    mesh dimension and flattened view of more than one rank — HSDP replicas, the dense FSDP
+    shard group (dp × cp), CP, TP, the loss group, EP and the experts' FSDP group."""
+    r, d, c, t, e = (layout[k] for k in ("dp_replicate", "dp", "cp", "tp", "ep"))
+    sizes = [r, d * c, c, t, r * d * c, e, d * c // e]
+    return sum(1 for size in sizes if size > 1)
