@@ -1,5 +1,6 @@
-"""The planner: the 122B recipe on a fake 128-rank world, its verdicts and refusals, and its
-exact byte counts against real runs of the same layouts (gloo, world 4)."""
+"""The planner: the public sizes' recipes on fake worlds of 16 to 256 ranks, the terms beyond the
+counted tensors, its verdicts and refusals, and its exact byte counts against real runs of the
+same layouts (gloo, world 4)."""
 
 from __future__ import annotations
 
@@ -22,18 +23,48 @@ SMALL = {
 }  # fmt: skip
 
 
-def test_the_122b_recipe_fits_128_gpus_of_80_gib(tmp_path, capsys):
+# the built-in recipes of the public sizes: world, layout, total and active parameters (B)
+LARGE = {
+    "qwen3_5_35b_a3b": (16, {"dp": 2, "cp": 8, "ep": 8}, 35.11, 3.90),
+    "qwen3_5_122b_a10b_128k": (128, {"dp": 4, "cp": 32, "ep": 8}, 122.56, 10.22),
+    "qwen3_5_397b_a17b": (256, {"dp": 8, "cp": 32, "ep": 32}, 396.80, 17.81),
+}
+
+
+@pytest.mark.parametrize("name", LARGE)
+def test_each_public_size_fits_gpus_of_80_gib_with_the_headroom(name, tmp_path, capsys):
+    world, layout, total, active = LARGE[name]
     out = tmp_path / "plan.json"
-    assert plan_main(["qwen3_5_122b_a10b_128k", "--json", str(out)]) == 0
+    assert plan_main([name, "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    assert "predicted peak" in table and "fits in 80 GiB" in table
+    assert "fits in 80 GiB" in table
+    for term in ("cuda context", "cuBLAS workspaces", "NCCL buffers (5 groups)",
+                 "allocator reserve"):  # fmt: skip
+        assert f"\n  {term} " in table, term
     result = json.loads(out.read_text())
-    assert result["world"] == 128 and set(result["ranks"]) == {"0", "127"}
-    assert result["layout"] == {"dp_replicate": 1, "dp": 4, "cp": 32, "tp": 1, "ep": 8}
-    assert abs(result["total_parameters"] / 1e9 - 122.56) < 0.01
-    assert abs(result["active_parameters"] / 1e9 - 10.22) < 0.01
-    assert result["fits"] and 0 < result["predicted_peak_gib"] <= 80
+    assert result["world"] == world and set(result["ranks"]) == {"0", str(world - 1)}
+    assert result["layout"] == {"dp_replicate": 1, "tp": 1, **layout}
+    assert abs(result["total_parameters"] / 1e9 - total) < 0.01
+    assert abs(result["active_parameters"] / 1e9 - active) < 0.01
+    headroom = result["headroom_gib"]
+    assert headroom["allocator reserve"] == pytest.approx(0.5 * result["counted_peak_gib"])
+    peak = result["counted_peak_gib"] + sum(headroom.values())
+    assert result["predicted_peak_gib"] == pytest.approx(peak)
+    assert result["fits"] and peak <= 80
     assert all(v > 0 for v in result["communication_bytes_per_step"].values())
+
+
+def test_headroom_terms_change_the_verdict(tmp_path, capsys):
+    quiet = tmp_path / "quiet.json"
+    assert plan_main(["tiny", "--json", str(quiet), "--headroom", "fragmentation=0",
+                      "--headroom", "cuda_context_gib=0", "--headroom", "cublas_gib=0",
+                      "--headroom", "nccl_gib_per_group=0"]) == 0  # fmt: skip
+    result = json.loads(quiet.read_text())
+    assert result["predicted_peak_gib"] == result["counted_peak_gib"]
+    capsys.readouterr()
+    assert plan_main(["tiny", "--gpu-memory", "2"]) == 3  # the context and NCCL alone exceed it
+    assert plan_main(["tiny", "--headroom", "fragmentation=-1"]) == 2
+    assert "--headroom 'fragmentation=-1': expected NAME=VALUE" in capsys.readouterr().err
 
 
 def test_a_plan_that_does_not_fit_exits_3(capsys):

@@ -417,9 +417,10 @@ BUILTIN_RECIPES = Path(__file__).parent / "recipes"
 
 
 def builtin_recipes() -> list[str]:
-    """Names of the recipes shipped with the package (``qwen35-train NAME``); ``base.yaml``,
-    the settings they share, is not a recipe of its own."""
-    return sorted(p.stem for p in BUILTIN_RECIPES.glob("*.yaml") if p.stem != "base")
+    """Names of the recipes shipped with the package (``qwen35-train NAME``); ``base.yaml``
+    and the ``_*.yaml`` files, settings recipes share, are not recipes of their own."""
+    return sorted(p.stem for p in BUILTIN_RECIPES.glob("*.yaml")
+                  if p.stem != "base" and not p.stem.startswith("_"))  # fmt: skip
 
 
 def recipe_path(name_or_path: str | Path) -> Path:

@@ -54,3 +54,50 @@ def test_conv_bad_input():
         causal_conv1d(x, w, activation="gelu")
     with pytest.raises(ValueError, match="end at T=8"):
         causal_conv1d(x, w, cu_seqlens=[0, 3, 7])
+
+
+def test_conv_backward_adds_each_row_in_a_fixed_order():
+    """No accumulating index_put_ in the backward: on a multi-threaded CPU it adds a row's (up
+    to ``kernel``) gradients with atomics in thread-timing order, so two identical steps could
+    differ in the last bits (and a training run drift). index_select's backward (index_add_)
+    adds them in index order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.overloadpacket in (
+                torch.ops.aten.index_put,
+                torch.ops.aten.index_put_,
+                torch.ops.aten._index_put_impl_,
+            ):
+                accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 else False)
+                seen.append(accumulate)
+            return func(*args, **kwargs)
+
+    x = torch.randn(1, 40, 8, requires_grad=True)
+    weight = torch.randn(8, 4, requires_grad=True)
+    out = causal_conv1d(x, weight, cu_seqlens=[0, 7, 40])
+    with Ops():
+        out.sum().backward()
+    assert True not in seen
+
+
+def test_conv_backward_repeats_bitwise_on_two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 888, 64, generator=gen, requires_grad=True)
+        weight = torch.randn(64, 4, generator=gen)
+        w = torch.randn(1, 888, 64, generator=gen)
+        cu = [0, 100, 250, 400, 600, 888]
+        first = None
+        for _ in range(300):
+            (grad,) = torch.autograd.grad((causal_conv1d(x, weight, cu_seqlens=cu) * w).sum(), x)
+            first = grad if first is None else first
+            assert torch.equal(grad, first)
+    finally:
+        torch.set_num_threads(threads)

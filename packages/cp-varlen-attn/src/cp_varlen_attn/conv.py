@@ -77,7 +77,12 @@ def causal_conv1d(
         parts.append(all_gather_autograd(send.contiguous(), gather_dim=0, group=group))
     parts.append(x_TC.new_zeros(1, x_TC.shape[1]))
     buffer_RC = torch.cat(parts)
-    windows_TKC = buffer_RC[index.to(x.device)]
+    # index_select, not buffer_RC[index]: advanced indexing's backward is index_put_ with
+    # accumulate=True, which on a multi-threaded CPU adds the (up to ``kernel``) gradients of
+    # a row with atomics in thread-timing order (run-to-run different sums); index_select's
+    # backward is index_add_, which adds them in a fixed order.
+    windows_TKC = buffer_RC.index_select(0, index.to(x.device).reshape(-1))
+    windows_TKC = windows_TKC.view(*index.shape, buffer_RC.shape[1])
     out_TC = (windows_TKC * weight.T).sum(1)
     if bias is not None:
         out_TC = out_TC + bias

@@ -119,7 +119,9 @@ def _intra_chunk(q_THK, k_THK, v_THW, g_TH, beta_TH, rows, valid, upper):
     """Per chunk (rows [n, C] of the inputs): the WY quantities the scan needs."""
 
     def chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, *] -> [n, H, C, *]
-        return x[rows].movedim(1, 2).contiguous()
+        # index_select: its backward adds the rows in a fixed order (conv.py says why)
+        picked = x.index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[1:])
+        return picked.movedim(1, 2).contiguous()
 
     q, k, v = chunks(q_THK), chunks(k_THK), chunks(v_THW)
     g = chunks(g_TH) * valid[:, None, :]  # [n, H, C]

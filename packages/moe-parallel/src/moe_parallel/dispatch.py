@@ -68,7 +68,8 @@ def all_to_all_expert_compute(
     local_experts = send_PL.shape[1]
     expert_of_row = torch.arange(local_experts).repeat(ep_size)
     expert_of_row = torch.repeat_interleave(expert_of_row, recv_PL.reshape(-1))
-    by_expert = torch.argsort(expert_of_row, stable=True)
-    y_rows = compute(x_recv[by_expert], recv_PL.sum(0))
-    y_recv = y_rows[torch.argsort(by_expert)]
+    by_expert = torch.argsort(expert_of_row, stable=True).to(x_recv.device)
+    # index_select (a permutation both ways): its backward adds rows in a fixed order
+    y_rows = compute(x_recv.index_select(0, by_expert), recv_PL.sum(0))
+    y_recv = y_rows.index_select(0, torch.argsort(by_expert))
     return _waited(fc.all_to_all_single_autograd(y_recv, send_splits, recv_splits, group))

@@ -152,7 +152,10 @@ class Experts(nn.Module):
         flat_i = top_i_NK.reshape(-1)
         order = torch.argsort(flat_i, stable=True)
         counts_E = torch.bincount(flat_i, minlength=self.num_experts)
-        x_sorted = x_NH[order // k]
+        # index_select, not x_NH[order // k]: advanced indexing's backward (index_put_ with
+        # accumulate) adds a token's k gradient rows with atomics in thread-timing order on a
+        # multi-threaded CPU (run-to-run different sums); index_add_ adds them in a fixed order
+        x_sorted = x_NH.index_select(0, order // k)
         gate_up, down = self._local_weights()
 
         def compute(rows_MH: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
@@ -162,7 +165,7 @@ class Experts(nn.Module):
             y_sorted = compute(x_sorted, counts_E)
         else:
             y_sorted = all_to_all_expert_compute(x_sorted, counts_E, compute, self.ep_group)
-        return y_sorted[torch.argsort(order)].view(n, k, y_sorted.shape[-1])
+        return y_sorted.index_select(0, torch.argsort(order)).view(n, k, y_sorted.shape[-1])
 
 
 class SwiGLU(nn.Module):
