@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -314,3 +315,27 @@ def check_nonfinite_stops_every_rank(root, source) -> None:
         assert [log.step for log in error.result.logs] == [1, 2, 3]
     else:
         raise AssertionError("the non-finite step was not reported")
+
+
+REPEATED = ("step", "loss", "ce", "aux", "grad_norm", "tokens", "eval_loss", "eval_accuracy",
+            "fill", "expert_load_max_over_mean", "cp_imbalance")  # fmt: skip
+
+
+def check_runs_repeat(root, overrides) -> None:
+    """The tiny recipe as it is (4 ranks: DP 2 x CP 2 with EP 2, its demo dataset) run twice:
+    every logged number of every step in metrics.jsonl and the final checkpoint's shard files
+    (weights and optimizer state, by their checksums) are equal bit for bit."""
+    runs = []
+    for name in ("first", "second"):
+        out = Path(root) / name
+        train(load_recipe(TINY, ["train.steps=3", "train.eval_every=3", "train.eval_steps=1",
+                                 "train.checkpoint_every=3", f"train.output_dir={out}",
+                                 *overrides]))  # fmt: skip
+        dist.barrier()  # rank 0 has closed the run folder
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        metrics = [{k: json.loads(line)[k] for k in REPEATED} for line in lines]
+        files = json.loads((out / "checkpoints" / "step_000003" / "manifest.json").read_text())
+        shards = {n: r["checksum"] for n, r in files["files"].items() if n.endswith(".distcp")}
+        runs.append((metrics, shards))
+    assert len(runs[0][0]) == 3 and len(runs[0][1]) == dist.get_world_size()
+    assert runs[0] == runs[1], runs

@@ -26,6 +26,7 @@ from dist_checks import (
     assert_same_run,
     check_resume_equals_uninterrupted,
     check_resume_skips_a_damaged_checkpoint,
+    check_runs_repeat,
     check_training_equals_one_process,
     layout_recipe,
 )
@@ -153,6 +154,7 @@ def launch(request, references, tmp_path_factory):
         f"resume@{world}",
         check_resume_equals_uninterrupted,
         check_resume_skips_a_damaged_checkpoint,
+        check_runs_repeat,
         ("parallel.ep=2",),
         str(saved),
         *references["base"],
@@ -161,6 +163,7 @@ def launch(request, references, tmp_path_factory):
         f"resume_async@{world}",
         check_resume_equals_uninterrupted,
         check_resume_skips_a_damaged_checkpoint,
+        check_runs_repeat,
         ("parallel.ep=2", "train.async_checkpoint=true"),
         str(tmp_path_factory.mktemp(f"async_ckpt_world{world}")),
         *references["base"],
@@ -168,18 +171,32 @@ def launch(request, references, tmp_path_factory):
     checks["resume_damaged"] = named_check(
         f"resume_damaged@{world}",
         check_resume_skips_a_damaged_checkpoint,
+        check_runs_repeat,
         ("parallel.ep=2",),
         str(tmp_path_factory.mktemp(f"damaged_ckpt_world{world}")),
         *references["base"],
     )
+    for name, overrides in REPEATS.items():
+        if world == 4:  # the tiny recipe's own 4 ranks
+            checks[name] = named_check(name, check_runs_repeat,
+                                       str(tmp_path_factory.mktemp(name)), overrides)  # fmt: skip
     return checks, run_checks(list(checks.values()), world, timeout=900), saved, exported
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "resume", "resume_async", "resume_damaged"])
+# train.deterministic: the tiny recipe as it is, run twice, and again with loader workers,
+# activation checkpointing and accumulation (test_determinism.py has the one-process runs)
+REPEATS = {
+    "repeat_tiny": (),
+    "repeat_workers2_ac_accum": ("data.workers=2", "train.activation_checkpointing=true",
+                                 "train.grad_accum_steps=2"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "resume", "resume_async", "resume_damaged", *REPEATS])
 def test_layout_equals_one_process(launch, layout):
     checks, report, _, _ = launch
     if layout not in checks:
-        pytest.skip(f"{layout} runs at world {LAYOUTS[layout][2]}")
+        pytest.skip(f"{layout} runs at world {LAYOUTS[layout][2] if layout in LAYOUTS else 4}")
     report.assert_passed(checks[layout])
 
 

@@ -137,6 +137,9 @@ def _launch(argv: list[str], nproc: int, max_restarts: int) -> int:
     # ("failed (exitcode: N)", "Sending process ... closing signal") only repeat it. Restart
     # notices come from the agent's logger and stay.
     logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
+    # like torchrun: the workers share the cores (unset, each would take all of them; 4 workers
+    # x 2 threads on 2 cores wait on each other at every parallel region)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0",
                           max_restarts=max_restarts)  # fmt: skip

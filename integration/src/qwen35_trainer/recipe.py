@@ -200,7 +200,10 @@ class TrainRecipe:
     resume from its newest intact checkpoint (:mod:`qwen35_trainer.checkpoint`: every file is
     checked against the checkpoint's manifest before loading, sizes always and checksums unless
     ``verify_checkpoints`` is false; a damaged checkpoint is skipped with a warning).
-    ``on_nonfinite``: a step whose global loss or gradient norm is not finite is never applied;
+    ``deterministic``: PyTorch's deterministic algorithms for the run, so the same recipe,
+    launch and machine repeat bit for bit (:mod:`qwen35_trainer.determinism`; ``false`` trades
+    that for speed on GPUs). ``on_nonfinite``: a step whose global loss or gradient norm is not
+    finite is never applied;
     ``stop`` ends the run naming the step and its documents, ``skip`` drops the step and goes
     on, stopping after ``max_skipped_steps`` skipped steps in a row
     (:mod:`qwen35_trainer.nonfinite`).
@@ -248,6 +251,7 @@ class TrainRecipe:
     verify_checkpoints: bool = True
     on_nonfinite: str = "stop"
     max_skipped_steps: int = 5
+    deterministic: bool = True
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas

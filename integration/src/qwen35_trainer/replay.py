@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from qwen35_trainer.checkpoint import checkpoints_in, load_checkpoint
 from qwen35_trainer.data.feed import Feed
+from qwen35_trainer.determinism import deterministic_mode
 from qwen35_trainer.nonfinite import global_sources
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.schedule import lr_at, set_lr
@@ -117,7 +118,11 @@ def replay(recipe: Recipe, checkpoint: str | Path, step: int) -> Replay:
     ``step_NNNNNN`` directory, or a directory of them: the newest before ``step`` is taken).
     Every rank of the run's launch calls it; the update of step ``step`` is not kept."""
     start_processes(recipe)
-    path = _checkpoint_before(Path(checkpoint), step)
+    with deterministic_mode(recipe.train.deterministic):
+        return _replay(recipe, _checkpoint_before(Path(checkpoint), step), step)
+
+
+def _replay(recipe: Recipe, path: Path, step: int) -> Replay:
     run = setup(recipe)
     done = load_checkpoint(
         path, run.objective, run.optimizer, checksums=recipe.train.verify_checkpoints

@@ -49,6 +49,7 @@ from qwen35_trainer.checkpoint import (
 )
 from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.data.packing import enable_packing
+from qwen35_trainer.determinism import deterministic_mode, prepare_cuda
 from qwen35_trainer.flops import peak_flops
 from qwen35_trainer.model import build_meta_model, export_hf, materialize
 from qwen35_trainer.nonfinite import NonFiniteGuard, NonFiniteStep
@@ -165,7 +166,8 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
     Under ``torchrun`` (``WORLD_SIZE`` > 1) the process group is created here unless it exists.
     """
     start_processes(recipe)
-    return _train(recipe, on_step)
+    with deterministic_mode(recipe.train.deterministic):
+        return _train(recipe, on_step)
 
 
 def start_processes(recipe: Recipe) -> None:
@@ -174,6 +176,7 @@ def start_processes(recipe: Recipe) -> None:
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         check_layout(recipe.parallel, world, packing=recipe.data.packing)
+    prepare_cuda(recipe.train.deterministic)
     _init_distributed()
 
 
