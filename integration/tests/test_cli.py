@@ -111,7 +111,9 @@ def test_help_names_outputs_and_builtin_recipes(capsys, flag):
         main([flag])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the epilog
     assert "runs/<recipe>-<time>/" in out and "qwen35-train plan RECIPE" in out
-    assert "Built-in recipes: qwen3_5_122b_a10b_128k, tiny" in out
+    assert (
+        "Built-in recipes: qwen3_5_122b_a10b_128k, qwen3_5_35b_a3b, qwen3_5_397b_a17b, tiny" in out
+    )
 
 
 def test_a_worker_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(monkeypatch, capsys):
