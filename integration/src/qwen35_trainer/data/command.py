@@ -1,8 +1,9 @@
 """``qwen35-train data make-demo DIR``: write the demo dataset (:mod:`qwen35_trainer.data.demo`).
-``qwen35-train data check RECIPE [--set ...] [--limit N]``: read the recipe's dataset through its
-processor, one row after another in file order, and print what a run would get: rows, samples,
-images, videos, tokens, the packed rows and their fill (first-fit in file order, as the loader
-packs), the samples over capacity, and every bad row with its reason.
+``qwen35-train data check RECIPE [--set ...] [--limit N]``: read the recipe's dataset (its first
+N rows) through the run's own loader (:class:`~qwen35_trainer.data.loader.DataStream`, one
+process, every shard, one pass) and print what a run would get: samples, images, videos and the
+frames sampled from them, tokens, the packed rows and their fill (the loader's dealing and
+packing, so they are the run's), the samples over capacity, and every bad row with its reason.
 
 Exit status: 0 every row is good; 3 some rows are bad (listed); 2 a bad recipe or dataset.
 """
@@ -19,67 +20,57 @@ EXIT_BAD_ROWS = 3
 
 
 def _check(recipe, limit: int | None) -> int:
-    from qwen35_trainer.data.conversation import ConversationEncoder, DataError
-    from qwen35_trainer.data.demo import resolve
-    from qwen35_trainer.data.loader import open_rows
-    from qwen35_trainer.model import build_config
+    import dataclasses
 
-    data, model = recipe.data, recipe.model
+    import torch
+
+    from qwen35_trainer.data.demo import resolve
+    from qwen35_trainer.data.loader import DataStream, open_rows
+    from qwen35_trainer.model import build_config
+    from qwen35_trainer.parallel import Layout
+
+    data = recipe.data
     if not data.path:
         raise ValueError("data check needs data.path (a data.source iterable is the user's code)")
-    encoder = ConversationEncoder.from_recipe(data, model, build_config(model),
-                                              resolve(data.processor))  # fmt: skip
-    encoder.check_template()
     path = resolve(data.path)
-    rows, base = open_rows(path, data.split)
-    count = len(rows) if limit is None else min(limit, len(rows))
-    lengths, bad = [], []
-    images = videos = labels = 0
-    for index in range(count):
-        where = f"{path}:{index}"
-        try:
-            sample = encoder(rows[index], where, base)
-        except DataError as error:
-            bad.append(str(error))
-            continue
-        lengths.append(len(sample))
-        images += len(sample.image_grid_thw)
-        videos += len(sample.video_grid_thw)
-        labels += int((sample.labels >= 0).sum())
-    capacity = data.pack_length
-    over = sum(n > capacity for n in lengths)
-    fitting = [n for n in lengths if n <= capacity]
-    packed = first_fit_rows(fitting, capacity, data.rows_per_step(1))
-    tokens = sum(lengths)
-    print(f"dataset     {path} ({count} of {len(rows)} rows read)")
+    total = len(open_rows(path, data.split)[0])
+    count = total if limit is None else min(limit, total)
+    # the run's own loader, one process (every shard), over one pass of the rows, bad rows
+    # skipped and listed
+    checked = dataclasses.replace(recipe, data=dataclasses.replace(data, on_bad_row="skip"))
+    config = build_config(recipe.model)
+    stream = DataStream(checked, config, Layout(), torch.device("cpu"), limit=count,
+                        max_skipped=None)  # fmt: skip
+    docs, rows, over = [], 0, 0
+    while True:
+        step = stream.next_step()
+        found = [row for row in step.rows if row]
+        if not found and not step.skipped and not step.truncated + step.dropped:
+            break
+        rows += len(found)
+        docs += [doc for row in found for doc in row]
+        over += step.truncated + step.dropped
+    temporal = config.vision_config.temporal_patch_size
+    frames = [int(t) * temporal for doc in docs for t in doc.video_grid_thw[:, 0]]
+    tokens = sum(len(d) for d in docs)
+    print(f"dataset     {path} ({count} of {total} rows read)")
     print(f"processor   {resolve(data.processor)}")
-    print(f"samples     {len(lengths)} good, {len(bad)} bad")
-    print(f"media       {images} images, {videos} videos")
-    if lengths:
-        print(f"tokens      {tokens} (mean {tokens / len(lengths):.1f}, max {max(lengths)}), "
-              f"{labels} trained (data.train_on={data.train_on})")  # fmt: skip
-    print(f"packed rows {packed} of {capacity} tokens, fill "
-          f"{sum(fitting) / (packed * capacity) if packed else 0:.3f}")  # fmt: skip
+    print(f"samples     {len(docs)} good, {len(stream.skipped)} bad")
+    print(f"media       {sum(len(d.image_grid_thw) for d in docs)} images, {len(frames)} videos"
+          + (f" ({min(frames)}-{max(frames)} frames sampled)" if frames else ""))  # fmt: skip
+    if docs:
+        labels = sum(int((d.labels >= 0).sum()) for d in docs)
+        print(f"tokens      {tokens} (mean {tokens / len(docs):.1f}, "
+              f"max {max(len(d) for d in docs)}), {labels} trained "
+              f"(data.train_on={data.train_on})")  # fmt: skip
+    capacity = data.pack_length
+    print(f"packed rows {rows} of {capacity} tokens, fill "
+          f"{tokens / (rows * capacity) if rows else 0:.3f} (data.global_batch="
+          f"{data.rows_per_step(1)} rows per step, the loader's packing)")  # fmt: skip
     print(f"over capacity {over} (data.over_capacity={data.over_capacity})")
-    for message in bad:
+    for message in stream.skipped:
         print(f"bad row     {message}")
-    return EXIT_BAD_ROWS if bad else 0
-
-
-def first_fit_rows(lengths: list[int], capacity: int, rows_per_step: int) -> int:
-    """Rows used when documents of ``lengths`` fill ``rows_per_step`` rows per step first-fit in
-    order, the first document that fits none opening the next step (the loader's rule)."""
-    used, room = 0, []
-    for n in lengths:
-        fits = next((r for r in range(len(room)) if n <= room[r]), None)
-        if fits is None and len(room) == rows_per_step:
-            used += sum(1 for r in room if r < capacity)
-            room = []
-        if fits is None:
-            room = room or [capacity] * rows_per_step
-            fits = next(r for r in range(len(room)) if n <= room[r])
-        room[fits] -= n
-    return used + sum(1 for r in room if r < capacity)
+    return EXIT_BAD_ROWS if stream.skipped else 0
 
 
 def data_main(argv: list[str]) -> int:

@@ -100,9 +100,13 @@ class RankDocuments(IterableDataset):
         self.shards, self.count, self.cursors = shards, count, cursors
 
     def _positions(self) -> Iterator[tuple[int, int, int]]:
-        """``(shard, j, global position)`` of this reader's documents, increasing."""
+        """``(shard, j, global position)`` of this reader's documents, increasing (below the
+        spec's ``limit`` when it has one)."""
+        limit = self.spec.get("limit")
         for j in itertools.count(min(self.cursors.values())):
             for shard in self.shards:
+                if limit is not None and shard + self.count * j >= limit:
+                    return
                 if j >= self.cursors[shard]:
                     yield shard, j, shard + self.count * j
 
@@ -227,10 +231,14 @@ def _media_spans(mm: torch.Tensor, sample: Sample) -> list[tuple[int, int, int, 
 class DataStream:
     """This rank's packed rows, step after step (see the module docstring). ``layout``: the
     parallel layout (its data-parallel index and size); ``eval``: the held-out stream
-    (``data.eval_path``, in file order, from its start)."""
+    (``data.eval_path``, in file order, from its start); ``limit``: read only the stream's
+    first ``limit`` positions (one pass over them: ``data check``; the rows then end, and the
+    steps after are empty); ``max_skipped``: bad rows one step may skip before it fails
+    (``None``: no limit)."""
 
     def __init__(self, recipe: Any, config: Any, layout: Any, device: torch.device, *,
-                 eval: bool = False) -> None:  # fmt: skip
+                 eval: bool = False, limit: int | None = None,
+                 max_skipped: int | None = MAX_SKIPPED_PER_STEP) -> None:  # fmt: skip
         data = recipe.data
         self.data, self.layout, self.device = data, layout, device
         self.encoder = ConversationEncoder.from_recipe(data, recipe.model, config,
@@ -239,7 +247,10 @@ class DataStream:
         self.spec = {"path": resolve(data.eval_path if eval else data.path),
                      "source": None if eval else data.source,
                      "split": data.eval_split if eval else data.split,
-                     "shuffle": data.shuffle and not eval, "seed": data.seed}  # fmt: skip
+                     "shuffle": data.shuffle and not eval, "seed": data.seed,
+                     "limit": limit}  # fmt: skip
+        self.max_skipped = max_skipped
+        self.skipped: list[str] = []  # the bad rows skipped so far (data.on_bad_row: skip)
         dp = layout.data_size
         self.shard_count = data.rows_per_step(dp)
         per_rank = self.shard_count // dp
@@ -295,6 +306,8 @@ class DataStream:
             if not waiting:  # every open row waits for its shard's next document
                 try:
                     read = self._read()
+                except StopIteration:  # past ``limit``: the rows end here
+                    break
                 except (DataError, OSError) as failed:  # the file itself: agreed like a row
                     error = str(failed)
                     break
@@ -324,8 +337,9 @@ class DataStream:
                 return str(item)
             logger.warning("skipping a bad row: %s", item)
             counts["skipped"] += 1
-            if counts["skipped"] > MAX_SKIPPED_PER_STEP:
-                return f"more than {MAX_SKIPPED_PER_STEP} bad rows in one step; last: {item}"
+            self.skipped.append(str(item))
+            if self.max_skipped is not None and counts["skipped"] > self.max_skipped:
+                return f"more than {self.max_skipped} bad rows in one step; last: {item}"
             return None
         capacity = self.data.pack_length
         if len(item) > capacity:
