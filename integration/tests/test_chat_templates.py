@@ -198,3 +198,27 @@ def test_templates_and_rows_that_cannot_be_labelled_are_refused(demo, tmp_path):
     }
     with pytest.raises(DataError, match=r"messages\[1\].tool_calls\[0\] must be"):
         qwen(bad_call, "rows.jsonl:5", demo)
+
+
+def test_the_readmes_checkpoint_rows_encode_as_it_says(tmp_path):
+    """The README's rows for a checkpoint directory (its second ``jsonl`` block), through
+    Qwen3.5's template, on the demo dataset's media: every row encodes, and the first row's
+    labels are the two answers the README names."""
+    import json
+    from pathlib import Path
+
+    from qwen35_trainer.data.demo import ensure_demo
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("```jsonl\n")[2].split("```", 1)[0]
+    demo = ensure_demo()
+    encoder = _encoder(demo, tmp_path, QWEN35_TEMPLATE)
+    samples = [
+        encoder(json.loads(line), f"README:{i}", demo) for i, line in enumerate(block.splitlines())
+    ]
+    assert _runs(encoder, samples[0]) == [
+        f"red{END}",
+        f"four equal sides\n</think>\n\na square{END}",
+    ]
+    assert len(samples[1].video_grid_thw) == 1
+    assert "<function=count>\n<parameter=what>\ndots\n</parameter>" in _runs(encoder, samples[2])[0]
