@@ -71,4 +71,4 @@ def test_export_command_refuses_a_directory_without_a_checkpoint(tmp_path, capsy
     from qwen35_trainer.cli import main
 
     assert main(["export", "tiny", str(tmp_path), str(tmp_path / "hf")]) == 2
-    assert "neither a checkpoint nor a directory holding a complete one" in capsys.readouterr().err
+    assert "neither a checkpoint nor a directory holding one" in capsys.readouterr().err

@@ -26,10 +26,11 @@ def _checkpoint(path: Path) -> Path:
     """The newest loadable checkpoint when ``path`` holds ``step_NNNNNN`` directories (newer
     damaged ones skipped, each said), else ``path`` itself (verified when it is loaded)."""
     from qwen35_trainer.checkpoint import checkpoints_in, newest_loadable
+    from qwen35_trainer.integrity import MANIFEST
 
-    if not path.is_dir():
-        raise ValueError(f"{path}: no such checkpoint directory")
     if not checkpoints_in(path):
+        if not any((path / name).exists() for name in (".metadata", MANIFEST)):
+            raise ValueError(f"{path}: neither a checkpoint nor a directory holding one")
         return path
     found, damaged = newest_loadable(path)
     for message in damaged:
