@@ -54,15 +54,20 @@ def test_each_public_size_fits_gpus_of_80_gib_with_the_headroom(name, tmp_path, 
     assert all(v > 0 for v in result["communication_bytes_per_step"].values())
 
 
-def test_headroom_terms_change_the_verdict(tmp_path, capsys):
-    quiet = tmp_path / "quiet.json"
-    assert plan_main(["tiny", "--json", str(quiet), "--headroom", "fragmentation=0",
-                      "--headroom", "cuda_context_gib=0", "--headroom", "cublas_gib=0",
-                      "--headroom", "nccl_gib_per_group=0"]) == 0  # fmt: skip
-    result = json.loads(quiet.read_text())
-    assert result["predicted_peak_gib"] == result["counted_peak_gib"]
-    capsys.readouterr()
-    assert plan_main(["tiny", "--gpu-memory", "2"]) == 3  # the context and NCCL alone exceed it
+def test_headroom_terms_change_the_verdict(capsys):
+    import dataclasses
+
+    from qwen35_trainer.plan import Headroom
+    from qwen35_trainer.plan.command import format_plan
+
+    planned = plan(load_recipe("tiny"))
+    quiet = dataclasses.replace(planned, headroom=Headroom(0, 0, 0, 0))
+    assert quiet.peak_gib == quiet.counted_gib < planned.peak_gib
+    assert planned.peak_gib - planned.counted_gib == pytest.approx(
+        0.75 + 0.25 + 0.5 * 5 + 0.5 * planned.counted_gib  # the defaults, 5 groups at DP2xCP2xEP2
+    )
+    small = dataclasses.replace(planned, gpu_memory_gib=2.0)  # the context and NCCL alone
+    assert quiet.fits and not small.fits and "does NOT fit in 2 GiB" in format_plan(small)
     assert plan_main(["tiny", "--headroom", "fragmentation=-1"]) == 2
     assert "--headroom 'fragmentation=-1': expected NAME=VALUE" in capsys.readouterr().err
 
