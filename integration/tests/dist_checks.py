@@ -337,5 +337,5 @@ def check_runs_repeat(root, overrides) -> None:
         files = json.loads((out / "checkpoints" / "step_000002" / "manifest.json").read_text())
         shards = {n: r["checksum"] for n, r in files["files"].items() if n.endswith(".distcp")}
         runs.append((metrics, shards))
-    assert len(runs[0][0]) == 2 and len(runs[0][1]) == dist.get_world_size()
+    assert len(runs[0][0]) == 2 and len(runs[0][1]) == 2 * dist.get_world_size()  # 2 per rank
     assert runs[0] == runs[1], runs

@@ -64,7 +64,9 @@ def test_the_manifest_lists_every_file_with_its_size_and_checksum(saved):
         path = saved[0] / f"step_{step:06d}"
         files = json.loads((path / MANIFEST).read_text())["files"]
         on_disk = {p.name for p in path.iterdir()} - {MANIFEST}
-        assert set(files) == on_disk == {".metadata", SHARD, "data_state.json", "recipe.yaml"}
+        # two shard files per rank (the writer's two threads)
+        shards = {SHARD, "__0_1.distcp"}
+        assert set(files) == on_disk == {".metadata", *shards, "data_state.json", "recipe.yaml"}
         for name, record in files.items():
             data = (path / name).read_bytes()  # the checksum was computed while writing
             assert record == {"size": len(data), "checksum": xxhash.xxh3_64(data).hexdigest()}
@@ -140,7 +142,7 @@ def test_checkpoint_verify_command(saved, tmp_path, capsys):
     assert main(["checkpoint", "verify", str(ck)]) == 3
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "step_000001: no manifest"
-    assert lines[1].startswith("step_000002: intact (4 files, ")
+    assert lines[1].startswith("step_000002: intact (5 files, ")
     assert lines[2].startswith(f"step_000004: damaged: {SHARD}: expected ")
     assert lines[3] == "step_000006.partial: incomplete: a save that did not finish"
     assert len(lines) == 4

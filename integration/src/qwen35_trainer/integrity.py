@@ -41,7 +41,6 @@ import os
 import re
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import xxhash
@@ -70,7 +69,6 @@ MANIFEST = "manifest.json"
 ALGORITHM = "xxh3_64"
 FORMAT = 1
 _READ_BYTES = 8 * 2**20
-_OVERLAP_BYTES = 2**20  # writes at least this large are hashed while the file is written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,28 +80,17 @@ class FileRecord:
 
 
 class _HashingStream:
-    """A binary file opened for writing whose written bytes are hashed on their way in.
-
-    A large buffer is written by a helper thread while this thread hashes it (the write
-    releases the GIL): the checksum then costs the time the write takes anyway. ``write``
-    returns only when both are done, so the buffer (which DCP may free or reuse right after)
-    is never read later, and the file's bytes stay in call order."""
+    """A binary file opened for writing whose written bytes are hashed on their way in (in the
+    writing thread: handing large buffers to a second thread measured slower, 1.22x against
+    1.04x the plain write on tmpfs, than hashing them here at ~9 GiB/s)."""
 
     def __init__(self, file, on_close) -> None:
         self._file, self._on_close = file, on_close
         self._hash = xxhash.xxh3_64()
-        self._writer: ThreadPoolExecutor | None = None
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        if view.nbytes < _OVERLAP_BYTES:
-            self._hash.update(view)
-            return self._file.write(view)
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-write")
-        written = self._writer.submit(self._file.write, view)
-        self._hash.update(view)
-        return written.result()
+        self._hash.update(data)
+        return self._file.write(data)
 
     def tell(self) -> int:
         return self._file.tell()
@@ -120,8 +107,6 @@ class _HashingStream:
     def close(self) -> None:
         if self._file.closed:
             return
-        if self._writer is not None:
-            self._writer.shutdown()
         size = self._file.tell()
         self._file.close()
         self._on_close(FileRecord(size, self._hash.hexdigest()))
@@ -163,10 +148,11 @@ class _RecordingFileSystem(FileSystem):
 class ChecksummingWriter(FileSystemWriter):
     """DCP's :class:`~torch.distributed.checkpoint.FileSystemWriter` that records the size and
     checksum of every file it writes (``records``: name -> :class:`FileRecord`), computed while
-    writing."""
+    writing. Each rank writes ``thread_count`` files (2) from as many threads, so one thread's
+    hashing (memory-bound, ~9 GiB/s) overlaps the other's disk I/O."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike, *, thread_count: int = 2) -> None:
+        super().__init__(path, thread_count=thread_count)
         self.fs = _RecordingFileSystem()
 
     @property
@@ -175,16 +161,15 @@ class ChecksummingWriter(FileSystemWriter):
 
 
 def write_file(path: Path, data: bytes) -> FileRecord:
-    """Write ``data`` to ``path`` (flushed to disk) and return its record."""
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
+    """Write ``data`` to ``path`` and return its record. Not fsync'd (DCP syncs the shards): a
+    crash that loses these small files after the rename leaves a checkpoint that the manifest
+    check calls damaged, and resume falls back past it."""
+    path.write_bytes(data)
     return FileRecord(len(data), xxhash.xxh3_64(data).hexdigest())
 
 
 def write_manifest(directory: Path, records: dict[str, FileRecord]) -> None:
-    """``directory/manifest.json`` listing ``records`` (written last, flushed to disk)."""
+    """``directory/manifest.json`` listing ``records`` (written last)."""
     body = {
         "format": FORMAT,
         "checksum": ALGORITHM,
