@@ -157,3 +157,18 @@ def test_an_override_applies_and_the_run_folder_records_it(checkpoint, tmp_path)
     saved = yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())
     assert saved["model"]["override"] == {"text": {"router_aux_loss_coef": 0.5}}
     assert recipe_from_dict(saved) == recipe  # the resolved recipe loads back to itself
+
+
+def test_plan_reads_the_shapes_from_the_directory(checkpoint, tmp_path):
+    """``qwen35-train plan`` of a recipe with ``model.path`` counts the checkpoint's model
+    (config.json only: the weights are not read)."""
+    import shutil
+
+    from qwen35_trainer.plan import plan
+
+    path, rows = checkpoint
+    shapes_only = tmp_path / "config_only"
+    shutil.copytree(path, shapes_only, ignore=shutil.ignore_patterns("*.safetensors*"))
+    recipe = _recipe(shapes_only, rows, tmp_path)
+    hf = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(path)
+    assert plan(recipe).total_parameters == sum(p.numel() for p in hf.parameters())
