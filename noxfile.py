@@ -54,7 +54,13 @@ def _has_group(path: Path, group: str) -> bool:
 
 def _test_env() -> dict[str, str]:
     # One inductor cache shared by all sessions: the first torch.compile costs ~15 s on CPU.
-    return {"TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".inductor-cache"), "OMP_NUM_THREADS": "1"}
+    # A module FSDP2 wraps must not return a view: an error in the ranks and runs tests start
+    # too (pytest's own filter, in pyproject.toml, covers only its process).
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".inductor-cache"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "error:FSDP2-wrapped module:UserWarning",
+    }
 
 
 @nox.session

@@ -5,8 +5,8 @@ tiny recipe's checkpoint and on a 1 GiB one (model + AdamW state), in one run.
 - ``dcp``: ``torch.distributed.checkpoint.save`` with its default ``FileSystemWriter`` (one
   file per rank, one thread, fsync'd);
 - ``dcp-2t``: the same writer with two threads (two files per rank), the layout ours writes;
-- ``qwen35-trainer``: :func:`qwen35_trainer.checkpoint.save_checkpoint` — DCP's save through
-  :class:`~qwen35_trainer.integrity.ChecksummingWriter` (two threads, each hashing the bytes it
+- ``qwen35-trainer``: :func:`qwen35_trainer.train.checkpoint.save_checkpoint` — DCP's save through
+  :class:`~qwen35_trainer.train.integrity.ChecksummingWriter` (two threads, each hashing the bytes it
   writes), the gather of the records, the trainer's files, the manifest and the atomic rename.
 
 Rounds rotate the order of the three, each save into a fresh directory after ``os.sync`` (so
@@ -41,8 +41,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from qwen35_trainer import load_recipe, train
-from qwen35_trainer.checkpoint import save_checkpoint
-from qwen35_trainer.integrity import verify
+from qwen35_trainer.train.checkpoint import save_checkpoint
+from qwen35_trainer.train.integrity import verify
 
 MIB = 2**20
 

@@ -70,8 +70,10 @@ def main() -> None:
     for workers in (0, 1, 2):
         recipe = load_recipe("tiny", [*ONE_PROCESS, f"data.workers={workers}"])
         rate = _loader_rate(recipe, args.steps)
-        print(f"| {workers} | {rate['tokens']:,.0f} | {rate['images']:,.1f} | "
-              f"{rate['videos']:,.1f} | {rate['tokens'] / need:.1f}x |")  # fmt: skip
+        print(
+            f"| {workers} | {rate['tokens']:,.0f} | {rate['images']:,.1f} | "
+            f"{rate['videos']:,.1f} | {rate['tokens'] / need:.1f}x |"
+        )
 
 
 if __name__ == "__main__":

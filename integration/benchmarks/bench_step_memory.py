@@ -39,26 +39,43 @@ def _child(variant: str, tokens: int) -> None:
 
     from qwen35_trainer import TrainingObjective, build_model, load_recipe
     from qwen35_trainer.data import collate, rank_samples
-    from qwen35_trainer.data.packing import enable_packing, pack
+    from qwen35_trainer.data.packing import pack
+    from qwen35_trainer.model.packed import enable_packing
 
     torch.set_num_threads(1)
     samples_per_row = max(1, tokens // 190)  # ~190 tokens (text + image) per sample
-    recipe = load_recipe(RECIPE, [
-        f"model.text.vocab_size={VOCAB}", "model.image_token_id=65530",
-        "model.video_token_id=65531", "model.vision_start_token_id=65532",
-        "model.vision_end_token_id=65533", "model.expert_backend=torch",
-        f"data.samples_per_rank={samples_per_row}", "data.text_tokens=[80, 100]",
-        "data.path=null", "data.processor=null", "data.eval_path=null", "data.pack_length=null",
-    ])  # fmt: skip
+    recipe = load_recipe(
+        RECIPE,
+        [
+            f"model.text.vocab_size={VOCAB}",
+            "model.image_token_id=65530",
+            "model.video_token_id=65531",
+            "model.vision_start_token_id=65532",
+            "model.vision_end_token_id=65533",
+            "model.expert_backend=torch",
+            f"data.samples_per_rank={samples_per_row}",
+            "data.text_tokens=[80, 100]",
+            "data.path=null",
+            "data.processor=null",
+            "data.eval_path=null",
+            "data.pack_length=null",
+        ],
+    )
     model = build_model(recipe.model)
     samples = rank_samples(recipe.model, recipe.data, step=0, rank=0, dp=1)
     if variant == "transformers":
         batch = collate(samples, pad_token_id=0)
         base = _rss()
         start = time.perf_counter()
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    mm_token_type_ids=batch.mm_token_type_ids, pixel_values=batch.pixel_values,
-                    image_grid_thw=batch.image_grid_thw, labels=batch.labels, use_cache=False)  # fmt: skip
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            mm_token_type_ids=batch.mm_token_type_ids,
+            pixel_values=batch.pixel_values,
+            image_grid_thw=batch.image_grid_thw,
+            labels=batch.labels,
+            use_cache=False,
+        )
         out.loss.backward()
         n = int(batch.attention_mask.sum())
     else:
@@ -92,13 +109,18 @@ def main() -> None:
         for variant in ("transformers", "qwen35-trainer"):
             done = subprocess.run(
                 [sys.executable, __file__, "--child", variant, str(tokens)],
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             result[variant] = json.loads(done.stdout.strip().splitlines()[-1])
         theirs, ours = result["transformers"], result["qwen35-trainer"]
-        print(f"| {ours['tokens']} | {theirs['extra'] / MIB:.0f} | {ours['extra'] / MIB:.0f} | "
-              f"{theirs['extra'] / max(ours['extra'], 1):.1f}x | "
-              f"{ours['seconds']:.2f} / {theirs['seconds']:.2f} |", flush=True)  # fmt: skip
+        print(
+            f"| {ours['tokens']} | {theirs['extra'] / MIB:.0f} | {ours['extra'] / MIB:.0f} | "
+            f"{theirs['extra'] / max(ours['extra'], 1):.1f}x | "
+            f"{ours['seconds']:.2f} / {theirs['seconds']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -9,8 +9,12 @@ OPPOSITE = {"up": "down", "down": "up", "left": "right", "right": "left"}
 def rows():
     for i in range(10):
         word = WORDS[i % 4]
-        yield {"messages": [{"role": "user", "content": f"what is the opposite of {word}?"},
-                            {"role": "assistant", "content": OPPOSITE[word]}]}  # fmt: skip
+        yield {
+            "messages": [
+                {"role": "user", "content": f"what is the opposite of {word}?"},
+                {"role": "assistant", "content": OPPOSITE[word]},
+            ]
+        }
 
 
 def with_bad_row():

@@ -32,8 +32,17 @@ def layout_recipe(world: int, *overrides: str):
 FIELDS = ("loss", "ce", "aux", "grad_norm")
 
 
-def assert_same_run(logs, reference_logs, state, reference_state, *, fields=FIELDS, rel=1e-5,
-                    param_rtol=1e-4, param_norm_rel=None) -> None:  # fmt: skip
+def assert_same_run(
+    logs,
+    reference_logs,
+    state,
+    reference_state,
+    *,
+    fields=FIELDS,
+    rel=1e-5,
+    param_rtol=1e-4,
+    param_norm_rel=None,
+) -> None:
     """Per step: global loss, CE, aux loss, gradient norm (rel ``rel``) and token count; then
     the final parameters (gathered when sharded): elementwise, or with ``param_norm_rel`` by
     each tensor's relative distance."""
@@ -58,8 +67,9 @@ def assert_same_run(logs, reference_logs, state, reference_state, *, fields=FIEL
             assert gap <= param_norm_rel * size, (name, gap, size)
 
 
-def check_training_equals_one_process(overrides, reference_logs, reference_state,
-                                      compare=None) -> None:  # fmt: skip
+def check_training_equals_one_process(
+    overrides, reference_logs, reference_state, compare=None
+) -> None:
     """The layout ``overrides`` over every rank equals one process on the global batch.
     ``compare``: :func:`assert_same_run` keyword arguments (fields, tolerances)."""
     result = train(layout_recipe(dist.get_world_size(), *overrides))
@@ -78,8 +88,9 @@ def check_resume_equals_uninterrupted(overrides, path, reference_logs, reference
     assert_same_run(result.logs, reference_logs[1:], state, reference_state)
 
 
-def check_resume_skips_a_damaged_checkpoint(overrides, path, reference_logs,
-                                            reference_state) -> None:  # fmt: skip
+def check_resume_skips_a_damaged_checkpoint(
+    overrides, path, reference_logs, reference_state
+) -> None:
     """Checkpoints after steps 1 and 2, then one byte of rank 1's shard of step 2 flipped: only
     the rank that hashes that file can see it, yet every rank skips step 2 (warning with the
     file), resumes from step 1, and steps 2..3 equal the uninterrupted one-process run."""
@@ -112,17 +123,10 @@ def sharded_model(world: int, overrides, weights: str | None = None):
     materialised (name-seeded, or from the checkpoint directory ``weights``)."""
     import torch
 
-    from qwen35_trainer import TrainingObjective, build_meta_model, enable_packing, materialize
-    from qwen35_trainer.parallel import parallelize
+    from qwen35_trainer import build_training_model
 
-    r = layout_recipe(world, *overrides)
-    model = build_meta_model(r.model)
-    if r.data.packing:
-        enable_packing(model)
-    objective = TrainingObjective(model)
-    parallelize(objective, r.parallel, torch.device("cpu"), packing=r.data.packing,
-                param_dtype=torch.bfloat16 if r.train.dtype == "bfloat16" else None)  # fmt: skip
-    return materialize(model, "cpu", seed=r.train.seed, weights=weights)
+    r = layout_recipe(world, *overrides, *([f"model.weights={weights}"] if weights else []))
+    return build_training_model(r, torch.device("cpu"))[0].model
 
 
 def check_materialized_weights(overrides, expected) -> None:
@@ -130,7 +134,7 @@ def check_materialized_weights(overrides, expected) -> None:
     the sharded model, reassembled, equals the one-process tensor bit for bit."""
     import torch
 
-    from qwen35_trainer.model.build import named_parameters
+    from qwen35_trainer.model.params import named_parameters
 
     for weights, state in expected.items():
         model = sharded_model(dist.get_world_size(), overrides, weights)
@@ -154,9 +158,12 @@ def measured_state_bytes(overrides) -> dict[str, int]:
         return t.to_local() if hasattr(t, "to_local") else t
 
     def grads_before_step(optimizer, args, kwargs):  # the step clears them afterwards
-        captured["gradients"] = sum(local(p.grad).numel() * p.grad.dtype.itemsize
-                                    for group in optimizer.param_groups for p in group["params"]
-                                    if p.grad is not None)  # fmt: skip
+        captured["gradients"] = sum(
+            local(p.grad).numel() * p.grad.dtype.itemsize
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        )
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -168,9 +175,12 @@ def measured_state_bytes(overrides) -> dict[str, int]:
     params = list(result.objective.parameters())
     captured["parameters"] = sum(local(p).numel() * p.dtype.itemsize for p in params)
     optimizer = result.optimizer
-    captured["optimizer"] = sum(local(v).numel() * v.dtype.itemsize
-                                for state in optimizer.state.values() for v in state.values()
-                                if isinstance(v, torch.Tensor))  # fmt: skip
+    captured["optimizer"] = sum(
+        local(v).numel() * v.dtype.itemsize
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
     captured["rank"] = dist.get_rank()
     return captured
 
@@ -181,19 +191,15 @@ def saved_activation_bytes(overrides) -> dict[str, int]:
     tiny layout ``overrides`` on step 0's batch."""
     import torch
 
-    from qwen35_trainer import TrainingObjective, build_meta_model, enable_packing, materialize
-    from qwen35_trainer.parallel import parallelize
-    from qwen35_trainer.step import count_valid, micro_batches
+    from qwen35_trainer import build_training_model
+    from qwen35_trainer.data.feed import micro_batches
+    from qwen35_trainer.train.step import count_valid
 
     r = load_recipe(TINY, overrides)
-    model = build_meta_model(r.model)
-    enable_packing(model)
-    objective = TrainingObjective(model)
     device = torch.device("cpu")
-    layout = parallelize(objective, r.parallel, device, packing=True,
-                         activation_checkpointing=r.train.activation_checkpointing)  # fmt: skip
-    materialize(model, device, seed=0)
-    micro, _ = micro_batches(r, model, layout, 0, device)
+    objective, layout = build_training_model(r, device)
+    model = objective.model
+    micro, _ = micro_batches(r, model.config, layout, 0, device)
     valid = count_valid(micro, layout, device)
     seen: dict[int, int] = {}
 
@@ -209,8 +215,7 @@ def saved_activation_bytes(overrides) -> dict[str, int]:
     ((batch, packed),) = micro
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         objective(batch, layout.loss_group, packed, num_valid_tokens=valid)
-    return {"rank": dist.get_rank() if dist.is_initialized() else 0,
-            "saved": sum(seen.values())}  # fmt: skip
+    return {"rank": dist.get_rank() if dist.is_initialized() else 0, "saved": sum(seen.values())}
 
 
 def _status(field: str) -> int:
@@ -229,16 +234,14 @@ def load_peak_rss(overrides, weights: str, window: int) -> dict[str, int]:
     import torch
 
     import qwen35_trainer.model.adapter as adapter
-    from qwen35_trainer import TrainingObjective, build_meta_model, load_hf_weights
+    from qwen35_trainer import build_training_model, load_hf_weights
     from qwen35_trainer.model.build import _rebuild_buffers
     from qwen35_trainer.model.shards import local_index
-    from qwen35_trainer.parallel import parallelize
     from qwen35_trainer.plan.memory import parameter_bytes
 
     adapter.MAPPED_WINDOW_BYTES = window
     r = load_recipe(TINY, overrides)
-    model = build_meta_model(r.model)
-    parallelize(TrainingObjective(model), r.parallel, torch.device("cpu"))
+    model = build_training_model(r, torch.device("cpu"), materialize=False)[0].model
     model.to_empty(device="cpu")
     with torch.no_grad():
         _rebuild_buffers(model)
@@ -247,35 +250,55 @@ def load_peak_rss(overrides, weights: str, window: int) -> dict[str, int]:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the peak (VmHWM) to the current RSS
     load_hf_weights(model, weights)
-    return {"rank": dist.get_rank(), "increase": _status("VmHWM") - before,
-            "shards": parameter_bytes(model), "largest_slice": largest}  # fmt: skip
+    return {
+        "rank": dist.get_rank(),
+        "increase": _status("VmHWM") - before,
+        "shards": parameter_bytes(model),
+        "largest_slice": largest,
+    }
 
 
 # The dataset runs: the demo dataset, 4 packed rows of 128 tokens per step.
-DATASET = ("data.global_batch=4", "data.pack_length=128", f"train.steps={STEPS}",
-           "train.eval_every=0", "model.expert_backend=torch", "train.eps=0.001")  # fmt: skip
+DATASET = (
+    "data.global_batch=4",
+    "data.pack_length=128",
+    f"train.steps={STEPS}",
+    "train.eval_every=0",
+    "model.expert_backend=torch",
+    "train.eps=0.001",
+)
 
 
-def check_dataset_layout_equals_one_process(root, overrides, reference_logs, reference_state,
-                                            fields=FIELDS) -> None:  # fmt: skip
+def check_dataset_layout_equals_one_process(
+    root, overrides, reference_logs, reference_state, fields=FIELDS
+) -> None:
     """The layout ``overrides`` on the demo dataset equals one process: the loader gives every
     layout the same global step (its rows are dealt to the data ranks). ``fields``: the logged
     values compared (the aux loss is per micro-batch: not with accumulation)."""
     result = train(demo_recipe(root, *DATASET, *overrides))
-    assert_same_run(result.logs, reference_logs, result.objective.model.state_dict(),
-                    reference_state, fields=fields)  # fmt: skip
+    assert_same_run(
+        result.logs,
+        reference_logs,
+        result.objective.model.state_dict(),
+        reference_state,
+        fields=fields,
+    )
     assert result.logs[0].fill == reference_logs[0].fill
 
 
 def check_dataset_resume(root, path, reference_logs, reference_state) -> None:
     """Stopped after 1 step of a DP 2 run and started again: the loader's cursors come back
     from the checkpoint, and steps 2..3 equal the uninterrupted one-process run."""
-    first = train(demo_recipe(root, *DATASET, "parallel.dp=2", "train.steps=1",
-                              f"train.checkpoint_dir={path}"))  # fmt: skip
+    first = train(
+        demo_recipe(
+            root, *DATASET, "parallel.dp=2", "train.steps=1", f"train.checkpoint_dir={path}"
+        )
+    )
     assert [log.step for log in first.logs] == [1]
     result = train(demo_recipe(root, *DATASET, "parallel.dp=2", f"train.checkpoint_dir={path}"))
-    assert_same_run(result.logs, reference_logs[1:], result.objective.model.state_dict(),
-                    reference_state)  # fmt: skip
+    assert_same_run(
+        result.logs, reference_logs[1:], result.objective.model.state_dict(), reference_state
+    )
 
 
 def check_bad_row_raises_on_every_rank(root) -> str:
@@ -283,8 +306,14 @@ def check_bad_row_raises_on_every_rank(root) -> str:
     rank 1 raises its message, rank 0 raises naming rank 1 — neither waits in a collective."""
     from qwen35_trainer.data.conversation import DataError
 
-    recipe = demo_recipe(root, *DATASET, "parallel.dp=2", "data.path=null",
-                         "data.source=data_source:with_bad_row", "data.pack_length=64")  # fmt: skip
+    recipe = demo_recipe(
+        root,
+        *DATASET,
+        "parallel.dp=2",
+        "data.path=null",
+        "data.source=data_source:with_bad_row",
+        "data.pack_length=64",
+    )
     try:
         train(recipe)
     except DataError as error:
@@ -304,7 +333,7 @@ def check_nonfinite_stops_every_rank(root, source) -> None:
     loss and gradient norm are global, so no rank steps while another stops)."""
     from helpers import nan_pixels
 
-    from qwen35_trainer.nonfinite import NonFiniteStep
+    from qwen35_trainer.train.nonfinite import NonFiniteStep
 
     try:
         with nan_pixels(source):
@@ -317,8 +346,19 @@ def check_nonfinite_stops_every_rank(root, source) -> None:
         raise AssertionError("the non-finite step was not reported")
 
 
-REPEATED = ("step", "loss", "ce", "aux", "grad_norm", "tokens", "eval_loss", "eval_accuracy",
-            "fill", "expert_load_max_over_mean", "cp_imbalance")  # fmt: skip
+REPEATED = (
+    "step",
+    "loss",
+    "ce",
+    "aux",
+    "grad_norm",
+    "tokens",
+    "eval_loss",
+    "eval_accuracy",
+    "fill",
+    "expert_load_max_over_mean",
+    "cp_imbalance",
+)
 
 
 def check_runs_repeat(root, overrides) -> None:
@@ -328,9 +368,19 @@ def check_runs_repeat(root, overrides) -> None:
     runs = []
     for name in ("first", "second"):
         out = Path(root) / name
-        train(load_recipe(TINY, ["train.steps=2", "train.eval_every=2", "train.eval_steps=1",
-                                 "train.checkpoint_every=2", f"train.output_dir={out}",
-                                 *overrides]))  # fmt: skip
+        train(
+            load_recipe(
+                TINY,
+                [
+                    "train.steps=2",
+                    "train.eval_every=2",
+                    "train.eval_steps=1",
+                    "train.checkpoint_every=2",
+                    f"train.output_dir={out}",
+                    *overrides,
+                ],
+            )
+        )
         dist.barrier()  # rank 0 has closed the run folder
         lines = (out / "metrics.jsonl").read_text().splitlines()
         metrics = [{k: json.loads(line)[k] for k in REPEATED} for line in lines]

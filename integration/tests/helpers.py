@@ -10,8 +10,14 @@ from qwen35_trainer.recipe import recipe_path
 
 TINY = recipe_path("tiny")
 ONE_PROCESS = ("parallel.dp=1", "parallel.cp=1", "parallel.ep=1")
-SYNTHETIC = ("data.path=null", "data.processor=null", "data.eval_path=null",
-             "data.pack_length=null", "train.eval_every=0", "train.eval_steps=1")  # fmt: skip
+SYNTHETIC = (
+    "data.path=null",
+    "data.processor=null",
+    "data.eval_path=null",
+    "data.pack_length=null",
+    "train.eval_every=0",
+    "train.eval_steps=1",
+)
 
 
 def tiny(*overrides: str):
@@ -35,10 +41,17 @@ def hf_forward(model, batch, **extra):
 def demo_recipe(root, *overrides: str):
     """The tiny recipe, one process, on the demo dataset written under ``root``
     (:func:`qwen35_trainer.data.demo.make_demo`); ``overrides`` apply last."""
-    return load_recipe(TINY, [*ONE_PROCESS, f"data.path={root}/train.jsonl",
-                              f"data.processor={root}/processor",
-                              f"data.eval_path={root}/heldout.jsonl", "data.workers=0",
-                              *overrides])  # fmt: skip
+    return load_recipe(
+        TINY,
+        [
+            *ONE_PROCESS,
+            f"data.path={root}/train.jsonl",
+            f"data.processor={root}/processor",
+            f"data.eval_path={root}/heldout.jsonl",
+            "data.workers=0",
+            *overrides,
+        ],
+    )
 
 
 @contextlib.contextmanager

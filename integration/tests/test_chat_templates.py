@@ -201,7 +201,7 @@ def test_templates_and_rows_that_cannot_be_labelled_are_refused(demo, tmp_path):
 
 
 def test_the_readmes_checkpoint_rows_encode_as_it_says(tmp_path):
-    """The README's rows for a checkpoint directory (its second ``jsonl`` block), through
+    """The README's rows for a checkpoint directory (its ``jsonl`` block), through
     Qwen3.5's template, on the demo dataset's media: every row encodes, and the first row's
     labels are the two answers the README names."""
     import json
@@ -210,7 +210,7 @@ def test_the_readmes_checkpoint_rows_encode_as_it_says(tmp_path):
     from qwen35_trainer.data.demo import ensure_demo
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    block = readme.split("```jsonl\n")[2].split("```", 1)[0]
+    block = readme.split("```jsonl\n")[1].split("```", 1)[0]
     demo = ensure_demo()
     encoder = _encoder(demo, tmp_path, QWEN35_TEMPLATE)
     samples = [

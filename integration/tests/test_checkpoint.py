@@ -6,8 +6,8 @@ import torch
 from helpers import tiny
 
 from qwen35_trainer import train
-from qwen35_trainer.checkpoint import checkpoints_in
-from qwen35_trainer.integrity import INTACT, verify
+from qwen35_trainer.train.checkpoint import checkpoints_in
+from qwen35_trainer.train.integrity import INTACT, verify
 
 
 def test_resume_continues_bit_identically(tmp_path, caplog):
@@ -34,8 +34,10 @@ def test_only_final_names_are_checkpoints(tmp_path):
     assert checkpoints_in(tmp_path / "missing") == []
     for name in ("step_000007.partial", "step_000002", "step_000010", "notes"):
         (tmp_path / name).mkdir()
-    assert checkpoints_in(tmp_path) == [(10, tmp_path / "step_000010"),
-                                        (2, tmp_path / "step_000002")]  # fmt: skip
+    assert checkpoints_in(tmp_path) == [
+        (10, tmp_path / "step_000010"),
+        (2, tmp_path / "step_000002"),
+    ]
 
 
 def test_a_crafted_metadata_pickle_is_refused_without_running_it(tmp_path):
@@ -44,7 +46,7 @@ def test_a_crafted_metadata_pickle_is_refused_without_running_it(tmp_path):
 
     import pytest
 
-    from qwen35_trainer.checkpoint import UnsafeCheckpointError, load_checkpoint
+    from qwen35_trainer.train.checkpoint import UnsafeCheckpointError, load_checkpoint
 
     marker = tmp_path / "ran"
 
@@ -62,8 +64,14 @@ def test_a_crafted_metadata_pickle_is_refused_without_running_it(tmp_path):
 
 
 def test_saves_are_atomic_and_keep_the_newest(tmp_path):
-    train(tiny("train.steps=4", "train.checkpoint_every=1", f"train.checkpoint_dir={tmp_path}",
-               "train.keep_checkpoints=2"))  # fmt: skip
+    train(
+        tiny(
+            "train.steps=4",
+            "train.checkpoint_every=1",
+            f"train.checkpoint_dir={tmp_path}",
+            "train.keep_checkpoints=2",
+        )
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004"]
     # a save that crashed after DCP wrote everything but before the rename does not count
     (tmp_path / "step_000004").rename(tmp_path / "step_000009.partial")
@@ -83,16 +91,25 @@ def test_a_checkpoint_of_another_model_is_one_clear_error(tmp_path):
         rf"\): {experts}.down_proj: \[8, 32, 16\] in the checkpoint, \[8, 32, 24\] "
         rf"in this model; {experts}.gate_up_proj: \[8, 32, 32\] in the",
     ):
-        train(tiny("train.steps=2", f"train.checkpoint_dir={tmp_path}",
-                   "model.text.moe_intermediate_size=24"))  # fmt: skip
+        train(
+            tiny(
+                "train.steps=2",
+                f"train.checkpoint_dir={tmp_path}",
+                "model.text.moe_intermediate_size=24",
+            )
+        )
     with pytest.raises(
         ValueError,
         match=r"\(30 tensor\(s\) differ\): \S+layers\.2\.linear_attn\.A_log: in the checkpoint, not in ",
     ):
-        train(tiny("train.steps=2", f"train.checkpoint_dir={tmp_path}",
-                   "model.text.num_hidden_layers=3",
-                   "model.text.layer_types=[linear_attention, linear_attention, "
-                   "full_attention]"))  # fmt: skip
+        train(
+            tiny(
+                "train.steps=2",
+                f"train.checkpoint_dir={tmp_path}",
+                "model.text.num_hidden_layers=3",
+                "model.text.layer_types=[linear_attention, linear_attention, full_attention]",
+            )
+        )
 
 
 def test_a_changed_lr_on_resume_is_applied_and_said(tmp_path, caplog):
@@ -111,8 +128,11 @@ def test_async_checkpoints_hold_the_state_of_their_step(tmp_path):
     import shutil
 
     straight = train(tiny("train.steps=4"))
-    run = (f"train.checkpoint_dir={tmp_path}", "train.checkpoint_every=1",
-           "train.async_checkpoint=true")  # fmt: skip
+    run = (
+        f"train.checkpoint_dir={tmp_path}",
+        "train.checkpoint_every=1",
+        "train.async_checkpoint=true",
+    )
     train(tiny("train.steps=4", *run))
     assert checkpoints_in(tmp_path)[0][0] == 4  # the last one completed before returning
     assert verify(tmp_path / "step_000004").state == INTACT  # its manifest was written too

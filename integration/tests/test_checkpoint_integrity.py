@@ -13,9 +13,9 @@ import xxhash
 from helpers import ONE_PROCESS, TINY
 
 from qwen35_trainer import load_recipe, train
-from qwen35_trainer.checkpoint import DamagedCheckpointError, load_checkpoint, newest_loadable
 from qwen35_trainer.cli import main
-from qwen35_trainer.integrity import DAMAGED, INTACT, MANIFEST, NO_MANIFEST, verify
+from qwen35_trainer.train.checkpoint import DamagedCheckpointError, load_checkpoint, newest_loadable
+from qwen35_trainer.train.integrity import DAMAGED, INTACT, MANIFEST, NO_MANIFEST, verify
 
 SHARD = "__0_0.distcp"
 
@@ -54,9 +54,11 @@ DAMAGES = {
     "truncated shard": (_truncate, rf"{SHARD}: expected \d+ bytes, found 100"),
     "flipped byte": (_flip, rf"{SHARD}: checksum [0-9a-f]+, expected [0-9a-f]+ \(xxh3_64 of"),
     "missing metadata": (lambda p: (p / ".metadata").unlink(), r"\.metadata: missing \(expected"),
-    "missing data state": (lambda p: (p / "data_state.json").unlink(),
-                           r"data_state.json: missing \(expected"),
-}  # fmt: skip
+    "missing data state": (
+        lambda p: (p / "data_state.json").unlink(),
+        r"data_state.json: missing \(expected",
+    ),
+}
 
 
 def test_the_manifest_lists_every_file_with_its_size_and_checksum(saved):
@@ -74,8 +76,9 @@ def test_the_manifest_lists_every_file_with_its_size_and_checksum(saved):
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
-def test_damage_is_named_and_resume_falls_back_to_the_intact_checkpoint(saved, tmp_path, caplog,
-                                                                        damage):  # fmt: skip
+def test_damage_is_named_and_resume_falls_back_to_the_intact_checkpoint(
+    saved, tmp_path, caplog, damage
+):
     ck = _copy(saved, tmp_path)
     spoil, named = DAMAGES[damage]
     spoil(ck / "step_000004")

@@ -17,7 +17,7 @@ import qwen35_trainer.cli as cli
 from qwen35_trainer import load_recipe
 from qwen35_trainer.cli import main
 from qwen35_trainer.recipe import recipe_from_dict
-from qwen35_trainer.run_folder import METRIC_FIELDS
+from qwen35_trainer.train.metrics import METRIC_FIELDS
 
 LINE = re.compile(r"^step +(\d+)/(\d+)  loss ([0-9.]+)  ce ([0-9.]+)  aux ([0-9.]+)  ")
 
@@ -66,7 +66,7 @@ def test_bad_recipes_exit_2_with_one_message(capsys, tmp_path):
         (["tiny", "--set", "train.log_every=0"], "train.log_every must be >= 1, got 0"),
         (["tiny", "--set", "train.steps=0"], "train.steps must be >= 1, got 0"),
         (["tiny", "--nproc", "3"], "--nproc 3 is not a multiple of parallel.dp_replicate x cp"),
-    ]  # fmt: skip
+    ]
     for argv, message in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
@@ -96,10 +96,26 @@ def test_an_internal_error_has_its_own_exit_code(capsys, monkeypatch):
 
 def test_torchrun_two_ranks(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "-m", "qwen35_trainer.cli", "tiny", "--set", "parallel.cp=1", "--set", "parallel.ep=1",
-           "--set", "data.samples_per_rank=2", "--set", "train.steps=2",
-           "--set", f"train.output_dir={tmp_path}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "qwen35_trainer.cli",
+        "tiny",
+        "--set",
+        "parallel.cp=1",
+        "--set",
+        "parallel.ep=1",
+        "--set",
+        "data.samples_per_rank=2",
+        "--set",
+        "train.steps=2",
+        "--set",
+        f"train.output_dir={tmp_path}",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(_losses(done.stdout)) == 2, done.stdout  # rank 0 prints, rank 1 does not
@@ -119,7 +135,7 @@ def test_help_names_outputs_and_builtin_recipes(capsys, flag):
 def test_a_worker_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(monkeypatch, capsys):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    import qwen35_trainer.cli as cli
+    from qwen35_trainer.train.launch import launch
 
     def killed(config, entrypoint):
         def run(*args):
@@ -129,5 +145,5 @@ def test_a_worker_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(monk
         return run
 
     monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", killed)
-    assert cli._launch(["tiny"], 2, 0) == 137
+    assert launch(["tiny"], 2, 0) == 137
     assert "worker rank 1 was killed by signal 9" in capsys.readouterr().err

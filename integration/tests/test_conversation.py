@@ -20,7 +20,8 @@ from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.data.conversation import ConversationEncoder, DataError, TokenIds
 from qwen35_trainer.data.demo import _motion_frames, _write_mp4, make_demo
 from qwen35_trainer.data.loader import truncate
-from qwen35_trainer.data.packing import enable_packing, pack
+from qwen35_trainer.data.packing import pack
+from qwen35_trainer.model.packed import enable_packing
 
 IMAGE = {"type": "image", "path": "images/000001.png"}
 
@@ -40,13 +41,19 @@ def demo(tmp_path_factory) -> Path:
 
 def _encoder(root: Path, **kwargs) -> ConversationEncoder:
     r = tiny()
-    return ConversationEncoder(str(root / "processor"), TokenIds(120, 121, 122, 123),
-                               build_config(r.model), **kwargs)  # fmt: skip
+    return ConversationEncoder(
+        str(root / "processor"), TokenIds(120, 121, 122, 123), build_config(r.model), **kwargs
+    )
 
 
 def _ask(parts, answer: str, *more) -> dict:
-    return {"messages": [{"role": "user", "content": parts},
-                         {"role": "assistant", "content": answer}, *more]}  # fmt: skip
+    return {
+        "messages": [
+            {"role": "user", "content": parts},
+            {"role": "assistant", "content": answer},
+            *more,
+        ]
+    }
 
 
 def _labelled(encoder, sample) -> str:
@@ -55,9 +62,12 @@ def _labelled(encoder, sample) -> str:
 
 def test_only_assistant_turns_are_labelled(demo):
     encoder = _encoder(demo)
-    row = _ask([IMAGE, {"type": "text", "text": "what colour is it?"}], "red",
-               {"role": "user", "content": "and the shape?"},
-               {"role": "assistant", "content": "square"})  # fmt: skip
+    row = _ask(
+        [IMAGE, {"type": "text", "text": "what colour is it?"}],
+        "red",
+        {"role": "user", "content": "and the shape?"},
+        {"role": "assistant", "content": "square"},
+    )
     sample = encoder(row, "rows.jsonl:0", demo)
     assert _labelled(encoder, sample).split() == ["red<|im_end|>", "square<|im_end|>"]
     ids = sample.input_ids
@@ -76,14 +86,28 @@ def _documents(demo):
     text + 4-frame video (an mp4 file)."""
     encoder = _encoder(demo)
     rows = [
-        {"messages": [{"role": "user", "content": "what is the opposite of up?"},
-                      {"role": "assistant", "content": "down"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "what is the opposite of up?"},
+                {"role": "assistant", "content": "down"},
+            ]
+        },
         _ask([IMAGE, {"type": "text", "text": "describe the image."}], "a blue square"),
-        _ask([{"type": "video", "path": ["two/0.png", "two/1.png"], "fps": 2},
-              {"type": "text", "text": "where does it go?"}], "left"),
-        _ask([{"type": "video", "path": "four.mp4"},
-              {"type": "text", "text": "which way does the square move?"}], "left"),
-    ]  # fmt: skip
+        _ask(
+            [
+                {"type": "video", "path": ["two/0.png", "two/1.png"], "fps": 2},
+                {"type": "text", "text": "where does it go?"},
+            ],
+            "left",
+        ),
+        _ask(
+            [
+                {"type": "video", "path": "four.mp4"},
+                {"type": "text", "text": "which way does the square move?"},
+            ],
+            "left",
+        ),
+    ]
     return [encoder(row, f"rows.jsonl:{i}", demo) for i, row in enumerate(rows)]
 
 
@@ -101,11 +125,18 @@ def test_packed_processor_documents_equal_transformers_per_document(demo):
     # the reference: every document alone through transformers (its own M-RoPE positions)
     total, counts = 0.0, []
     for s in samples:
-        media = {k: getattr(s, k) for k in
-                 ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-                 if getattr(s, k).numel()}  # fmt: skip
-        out = hf(input_ids=s.input_ids[None], mm_token_type_ids=s.mm_token_type_ids[None],
-                 labels=s.labels[None], use_cache=False, **media)  # fmt: skip
+        media = {
+            k: getattr(s, k)
+            for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+            if getattr(s, k).numel()
+        }
+        out = hf(
+            input_ids=s.input_ids[None],
+            mm_token_type_ids=s.mm_token_type_ids[None],
+            labels=s.labels[None],
+            use_cache=False,
+            **media,
+        )
         n = int((s.labels[1:] != IGNORE_INDEX).sum())
         counts.append(n)
         total = total + out.loss * n
@@ -126,10 +157,14 @@ def test_truncation_never_cuts_media_apart(demo):
     encoder = _encoder(demo)
     config = build_config(tiny().model)
     for media in (IMAGE, {"type": "video", "path": "four.mp4"}):
-        row = {"messages": [{"role": "user", "content": "what is the opposite of up?"},
-                            {"role": "assistant", "content": "down"},
-                            {"role": "user", "content": [media]},
-                            {"role": "assistant", "content": "red"}]}  # fmt: skip
+        row = {
+            "messages": [
+                {"role": "user", "content": "what is the opposite of up?"},
+                {"role": "assistant", "content": "down"},
+                {"role": "user", "content": [media]},
+                {"role": "assistant", "content": "red"},
+            ]
+        }
         sample = encoder(row, "rows.jsonl:0", demo)
         placeholders = (sample.mm_token_type_ids != 0).nonzero().flatten()
         first, last = int(placeholders[0]), int(placeholders[-1])
@@ -158,8 +193,10 @@ def _write_rows(path: Path, rows: list) -> Path:
     ("row", "message"),
     [
         (_ask([{"type": "image", "path": "images/nope.png"}], "red"), "missing media file"),
-        (_ask([{"type": "video", "path": ["two/0.png", "nope.png"]}], "left"),
-         "missing media file"),
+        (
+            _ask([{"type": "video", "path": ["two/0.png", "nope.png"]}], "left"),
+            "missing media file",
+        ),
         (_ask([{"type": "audio", "path": "x.wav"}], "red"), "unknown type 'audio'"),
         ({"messages": [{"role": "user", "content": "hello"}]}, "no trainable token"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "must have a role in"),
@@ -167,9 +204,17 @@ def _write_rows(path: Path, rows: list) -> Path:
         (_ask([{"type": "image", "path": "corrupt.png"}], "red"), "unreadable image"),
         (_ask([{"type": "video", "path": "corrupt.mp4"}], "red"), "unreadable video"),
     ],
-    ids=["missing_image", "missing_frame", "unknown_part", "no_trainable_turn", "bad_role",
-         "no_messages", "corrupt_image", "corrupt_video"],
-)  # fmt: skip
+    ids=[
+        "missing_image",
+        "missing_frame",
+        "unknown_part",
+        "no_trainable_turn",
+        "bad_role",
+        "no_messages",
+        "corrupt_image",
+        "corrupt_video",
+    ],
+)
 def test_bad_rows_raise_naming_file_and_row(demo, row, message):
     (demo / "corrupt.png").write_bytes(b"not a png")
     (demo / "corrupt.mp4").write_bytes(b"not a video")
@@ -180,7 +225,8 @@ def test_bad_rows_raise_naming_file_and_row(demo, row, message):
 
 def test_processor_that_does_not_match_the_model_is_refused(demo):
     r = tiny("model.image_token_id=119")
-    encoder = ConversationEncoder(str(demo / "processor"), TokenIds(119, 121, 122, 123),
-                                  build_config(r.model))  # fmt: skip
+    encoder = ConversationEncoder(
+        str(demo / "processor"), TokenIds(119, 121, 122, 123), build_config(r.model)
+    )
     with pytest.raises(DataError, match=r"image token id 120 \(model.image_token_id is 119\)"):
         _ = encoder.processor

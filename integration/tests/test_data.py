@@ -48,3 +48,19 @@ def test_rank_batches_partition_the_global_batch():
     assert all(torch.equal(a, b) for a, b in zip(rows, expected, strict=True))
     assert torch.equal(torch.cat([p.pixel_values for p in parts]), whole.pixel_values)
     assert torch.equal(torch.cat([p.image_grid_thw for p in parts]), whole.image_grid_thw)
+
+
+def test_the_longest_sample_bound_is_tight():
+    """:func:`max_sample_tokens` (the planner's row size without packing) bounds every sample
+    and is reached when every draw takes its largest value."""
+    import dataclasses
+
+    from qwen35_trainer.data.synthetic import max_sample_tokens
+
+    r = tiny()
+    bound = max_sample_tokens(r.model, r.data)
+    assert max(len(sample(r.model, r.data, i)) for i in range(200)) <= bound
+    grid = max(r.data.image_grids, key=lambda g: g[0] * g[1] * g[2])
+    hi = r.data.text_tokens[1]
+    fixed = dataclasses.replace(r.data, image_grids=(grid,), text_tokens=(hi, hi))
+    assert len(sample(r.model, fixed, 0)) == max_sample_tokens(r.model, fixed) == bound

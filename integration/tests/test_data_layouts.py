@@ -29,9 +29,13 @@ LAYOUTS = {
     "dp2": ("parallel.dp=2",),
     "cp2_ac": ("parallel.cp=2", "train.activation_checkpointing=true"),
     "dp2_ep2": ("parallel.dp=2", "parallel.ep=2"),
-    "cp2_ep2_accum": ("parallel.cp=2", "parallel.ep=2", "train.grad_accum_steps=2",
-                      "train.router_aux_loss_coef=0"),
-}  # fmt: skip
+    "cp2_ep2_accum": (
+        "parallel.cp=2",
+        "parallel.ep=2",
+        "train.grad_accum_steps=2",
+        "train.router_aux_loss_coef=0",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +50,16 @@ def launch(tmp_path_factory):
             result.state_dict(),
         )
     checks = {
-        name: named_check(name, check_dataset_layout_equals_one_process, str(root), overrides,
-                          *references[tuple(o for o in overrides if "aux" in o)],
-                          ("loss", "ce", "grad_norm") if "accum" in name else FIELDS)
+        name: named_check(
+            name,
+            check_dataset_layout_equals_one_process,
+            str(root),
+            overrides,
+            *references[tuple(o for o in overrides if "aux" in o)],
+            ("loss", "ce", "grad_norm") if "accum" in name else FIELDS,
+        )
         for name, overrides in LAYOUTS.items()
-    }  # fmt: skip
+    }
     checks["resume_dp2"] = named_check(
         "resume_dp2",
         check_dataset_resume,
@@ -60,8 +69,9 @@ def launch(tmp_path_factory):
     )
     checks["bad_row"] = named_check("bad_row", check_bad_row_raises_on_every_rank, str(root))
     rank_1 = media_document(demo_recipe(root, *DATASET), step=3, rows=range(2, 4))
-    checks["nonfinite"] = named_check("nonfinite", check_nonfinite_stops_every_rank, str(root),
-                                      rank_1)  # fmt: skip
+    checks["nonfinite"] = named_check(
+        "nonfinite", check_nonfinite_stops_every_rank, str(root), rank_1
+    )
     return checks, run_checks(list(checks.values()), 2, timeout=600)
 
 

@@ -15,46 +15,71 @@ from qwen35_trainer import load_recipe, train
 from qwen35_trainer.cli import main
 from qwen35_trainer.data.conversation import ConversationEncoder, TokenIds
 from qwen35_trainer.data.demo import make_demo
-from qwen35_trainer.data.packing import pack, packed_hidden_states
+from qwen35_trainer.data.packing import pack
 from qwen35_trainer.model import build_config
+from qwen35_trainer.model.packed import packed_hidden_states
 
 
 def test_make_demo_and_check(tmp_path, capsys):
-    assert main(["data", "make-demo", str(tmp_path), "--train-rows", "30",
-                 "--heldout-rows", "6"]) == 0  # fmt: skip
+    assert (
+        main(["data", "make-demo", str(tmp_path), "--train-rows", "30", "--heldout-rows", "6"]) == 0
+    )
     rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 30 and all("messages" in r for r in rows)
-    kinds = {p["type"] for r in rows for t in r["messages"] if isinstance(t["content"], list)
-             for p in t["content"]}  # fmt: skip
+    kinds = {
+        p["type"]
+        for r in rows
+        for t in r["messages"]
+        if isinstance(t["content"], list)
+        for p in t["content"]
+    }
     assert kinds == {"text", "image", "video"}
-    assert any(isinstance(p.get("path"), str) and p["path"].endswith(".mp4")
-               for r in rows for t in r["messages"] if isinstance(t["content"], list)
-               for p in t["content"])  # fmt: skip
+    assert any(
+        isinstance(p.get("path"), str) and p["path"].endswith(".mp4")
+        for r in rows
+        for t in r["messages"]
+        if isinstance(t["content"], list)
+        for p in t["content"]
+    )
     sets = [f"data.path={tmp_path}/train.jsonl", f"data.processor={tmp_path}/processor"]
     capsys.readouterr()
     assert main(["data", "check", "tiny", *(a for s in sets for a in ("--set", s))]) == 0
     out = capsys.readouterr().out
     assert "samples     30 good, 0 bad" in out and "packed rows" in out and "fill" in out
     with open(tmp_path / "train.jsonl", "a") as f:
-        f.write(json.dumps({"messages": [{"role": "user", "content": [
-            {"type": "image", "path": "images/gone.png"}]},
-            {"role": "assistant", "content": "red"}]}) + "\n")  # fmt: skip
+        f.write(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image", "path": "images/gone.png"}]},
+                        {"role": "assistant", "content": "red"},
+                    ]
+                }
+            )
+            + "\n"
+        )
     assert main(["data", "check", "tiny", *(a for s in sets for a in ("--set", s))]) == 3
     out = capsys.readouterr().out
     assert "bad row     " in out and "train.jsonl:30: missing media file" in out
 
 
-def test_readme_rows_encode(tmp_path):
-    """The README's example rows (its ``jsonl`` block) are valid rows of the demo's files."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+def test_documented_rows_encode(tmp_path):
+    """The example rows of ``docs/data.md`` (its ``jsonl`` block) are valid rows of the demo's
+    files."""
+    readme = (Path(__file__).parents[1] / "docs" / "data.md").read_text()
     block = readme.split("```jsonl\n", 1)[1].split("```", 1)[0]
     root = make_demo(tmp_path, train_rows=4, heldout_rows=1)
     recipe = load_recipe("tiny")
-    ids = TokenIds(recipe.model.image_token_id, recipe.model.video_token_id,
-                   recipe.model.vision_start_token_id, recipe.model.vision_end_token_id)  # fmt: skip
+    ids = TokenIds(
+        recipe.model.image_token_id,
+        recipe.model.video_token_id,
+        recipe.model.vision_start_token_id,
+        recipe.model.vision_end_token_id,
+    )
     encoder = ConversationEncoder(str(root / "processor"), ids, build_config(recipe.model))
-    samples = [encoder(json.loads(line), f"README:{i}", root)
-               for i, line in enumerate(block.splitlines())]  # fmt: skip
+    samples = [
+        encoder(json.loads(line), f"data.md:{i}", root) for i, line in enumerate(block.splitlines())
+    ]
     assert [len(s.image_grid_thw) for s in samples] == [1, 0, 0]
     assert [len(s.video_grid_thw) for s in samples] == [0, 1, 0]
 
@@ -64,8 +89,12 @@ def _answer_accuracy(objective, recipe, root) -> tuple[float, float]:
     every token of the answer before its <|im_end|>), and the most frequent answer's share (what
     a model that ignores the pictures, videos and questions could reach)."""
     model = objective.model
-    ids = TokenIds(recipe.model.image_token_id, recipe.model.video_token_id,
-                   recipe.model.vision_start_token_id, recipe.model.vision_end_token_id)  # fmt: skip
+    ids = TokenIds(
+        recipe.model.image_token_id,
+        recipe.model.video_token_id,
+        recipe.model.vision_start_token_id,
+        recipe.model.vision_end_token_id,
+    )
     encoder = ConversationEncoder(str(root / "processor"), ids, model.config)
     end = encoder.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     right, answers = 0, collections.Counter()
@@ -91,8 +120,16 @@ def _answer_accuracy(objective, recipe, root) -> tuple[float, float]:
 
 def test_tiny_recipe_learns_the_demo_dataset(tmp_path, monkeypatch):
     monkeypatch.setenv("QWEN35_DEMO_DIR", str(tmp_path / "demo"))
-    recipe = load_recipe("tiny", [*ONE_PROCESS, "train.steps=40", "train.eval_every=40",
-                                  "train.eval_steps=4", "data.workers=1"])  # fmt: skip
+    recipe = load_recipe(
+        "tiny",
+        [
+            *ONE_PROCESS,
+            "train.steps=40",
+            "train.eval_every=40",
+            "train.eval_steps=4",
+            "data.workers=1",
+        ],
+    )
     result = train(recipe)
     logs = result.logs
     assert (tmp_path / "demo" / "demo.json").is_file()  # builtin:demo was written on first use

@@ -19,7 +19,7 @@ from helpers import ONE_PROCESS, TINY, tiny
 from torch._prims_common import alert_not_deterministic
 
 from qwen35_trainer import load_recipe, train
-from qwen35_trainer.determinism import deterministic_mode
+from qwen35_trainer.train.determinism import deterministic_mode
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,14 @@ def test_eval_loss_is_transformers_loss_on_the_held_out_batch():
     config = build_config(recipe.model)  # transformers' own attention, not the packed one
     reference = transformers.Qwen3_5MoeForConditionalGeneration(config)
     reference.load_state_dict(result.state_dict())
-    batch = global_batch(recipe.model, recipe.data, config.text_config.pad_token_id, step=0,
-                         dp=1, offset=HELD_OUT_INDEX)  # fmt: skip
+    batch = global_batch(
+        recipe.model,
+        recipe.data,
+        config.text_config.pad_token_id,
+        step=0,
+        dp=1,
+        offset=HELD_OUT_INDEX,
+    )
     train_batch = global_batch(recipe.model, recipe.data, config.text_config.pad_token_id, 0, 1)
     assert not torch.equal(batch.pixel_values[:8], train_batch.pixel_values[:8])  # other samples
     with torch.no_grad():

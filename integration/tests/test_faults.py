@@ -13,16 +13,31 @@ import sys
 import time
 from pathlib import Path
 
-BASE = ["tiny", "--nproc", "2", "--set", "parallel.cp=1", "--set", "parallel.ep=1",
-        "--set", "data.samples_per_rank=2"]  # fmt: skip
+BASE = [
+    "tiny",
+    "--nproc",
+    "2",
+    "--set",
+    "parallel.cp=1",
+    "--set",
+    "parallel.ep=1",
+    "--set",
+    "data.samples_per_rank=2",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "qwen35_trainer.cli", *BASE, "--set", f"train.output_dir={out}",
-           *extra]  # fmt: skip
-    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "qwen35_trainer.cli",
+        *BASE,
+        "--set",
+        f"train.output_dir={out}",
+        *extra,
+    ]
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _steps_done(out: Path) -> int:

@@ -10,7 +10,7 @@ from torch import nn
 
 from moe_parallel.moe import Experts
 from qwen35_trainer import build_model, train
-from qwen35_trainer.flops import peak_flops, training_flops
+from qwen35_trainer.model.flops import peak_flops, training_flops
 
 DOCS = [30, 7, 51]
 GRIDS = [[1, 4, 4], [2, 4, 8]]
@@ -29,8 +29,11 @@ def _walked_forward(model, docs, grids) -> int:
         if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv3d):
             weights = module.weight.numel()
         elif isinstance(module, Experts):
-            weights = (module.gate_up_proj.numel() + module.down_proj.numel()) \
-                * text.num_experts_per_tok // text.num_experts  # fmt: skip
+            weights = (
+                (module.gate_up_proj.numel() + module.down_proj.numel())
+                * text.num_experts_per_tok
+                // text.num_experts
+            )
         elif type(module).__name__ == "Qwen3_5MoeTopKRouter":
             weights = module.weight.numel()
         else:
@@ -43,8 +46,13 @@ def _walked_forward(model, docs, grids) -> int:
             for n in docs:  # query i sees keys 0..i of its document
                 total += sum(4 * heads_dim * (i + 1) for i in range(n))
         else:
-            total += tokens * 6 * text.linear_num_value_heads * text.linear_key_head_dim \
-                * text.linear_value_head_dim  # fmt: skip
+            total += (
+                tokens
+                * 6
+                * text.linear_num_value_heads
+                * text.linear_key_head_dim
+                * text.linear_value_head_dim
+            )
     for t, h, w in grids:  # each frame's patches attend to each other, in every block
         total += vision.depth * t * 4 * vision.hidden_size * (h * w) ** 2
     return total

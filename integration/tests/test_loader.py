@@ -26,8 +26,12 @@ def demo(tmp_path_factory) -> Path:
 
 
 def _stream(recipe, rank: int = 0, dp: int = 1) -> DataStream:
-    return DataStream(recipe, build_config(recipe.model), Layout(data_index=rank, data_size=dp),
-                      torch.device("cpu"))  # fmt: skip
+    return DataStream(
+        recipe,
+        build_config(recipe.model),
+        Layout(data_index=rank, data_size=dp),
+        torch.device("cpu"),
+    )
 
 
 def _steps(stream: DataStream, n: int) -> list[list[list[str]]]:
@@ -43,10 +47,21 @@ def test_data_ranks_partition_the_step_and_workers_change_nothing(demo):
         assert first + second == whole[step]  # rank k holds rows 2k, 2k + 1 of the global step
     seen = [d for step in whole[:2] for row in step for d in row]
     assert len(seen) == len(set(seen)) < 40  # within the first epoch no document repeats
-    assert _steps(_stream(demo_recipe(demo, "data.global_batch=4", "data.pack_length=160",
-                                      "data.workers=2")), 4) == whole  # fmt: skip
-    in_order = _steps(_stream(demo_recipe(demo, "data.global_batch=2", "data.pack_length=160",
-                                          "data.shuffle=false")), 2)  # fmt: skip
+    assert (
+        _steps(
+            _stream(
+                demo_recipe(demo, "data.global_batch=4", "data.pack_length=160", "data.workers=2")
+            ),
+            4,
+        )
+        == whole
+    )
+    in_order = _steps(
+        _stream(
+            demo_recipe(demo, "data.global_batch=2", "data.pack_length=160", "data.shuffle=false")
+        ),
+        2,
+    )
     rows = [int(d.rsplit(":", 1)[1]) for d in in_order[0][0]]
     assert rows == list(range(0, 2 * len(rows), 2))  # shard 0: positions 0, 2, 4, ...
 
@@ -69,13 +84,19 @@ def test_resumed_stream_continues_exactly(demo):
                 assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
                 assert torch.equal(a.pixel_values, b.pixel_values)
     with pytest.raises(ValueError, match=r"resume with the same data\.global_batch"):
-        _stream(demo_recipe(demo, "data.global_batch=4", "data.pack_length=128")
-                ).load_state_dict(state)  # fmt: skip
+        _stream(demo_recipe(demo, "data.global_batch=4", "data.pack_length=128")).load_state_dict(
+            state
+        )
 
 
 def test_resumed_run_has_the_uninterrupted_losses(demo, tmp_path):
-    sets = ("data.global_batch=2", "data.pack_length=128", "train.steps=4", "train.eval_every=0",
-            "model.expert_backend=torch")  # fmt: skip
+    sets = (
+        "data.global_batch=2",
+        "data.pack_length=128",
+        "train.steps=4",
+        "train.eval_every=0",
+        "model.expert_backend=torch",
+    )
     through = train(demo_recipe(demo, *sets)).logs
     stopped = train(demo_recipe(demo, *sets, "train.steps=2", f"train.checkpoint_dir={tmp_path}"))
     assert (tmp_path / "step_000002" / "data_state.json").is_file()
@@ -89,8 +110,9 @@ def test_resumed_run_has_the_uninterrupted_losses(demo, tmp_path):
 def test_over_capacity_policies_are_counted(demo):
     # the demo's image and video documents are 34..78 tokens: at 48 some are over capacity
     truncated = _stream(demo_recipe(demo, "data.global_batch=2", "data.pack_length=48"))
-    dropped = _stream(demo_recipe(demo, "data.global_batch=2", "data.pack_length=48",
-                                  "data.over_capacity=drop"))  # fmt: skip
+    dropped = _stream(
+        demo_recipe(demo, "data.global_batch=2", "data.pack_length=48", "data.over_capacity=drop")
+    )
     t = [truncated.next_step() for _ in range(6)]
     d = [dropped.next_step() for _ in range(6)]
     assert sum(s.truncated for s in t) > 0 and sum(s.dropped for s in t) >= 0
@@ -106,8 +128,12 @@ def test_bad_rows_raise_or_are_skipped_and_counted(demo, tmp_path):
     bad["messages"][0]["content"] = [{"type": "image", "path": "images/missing.png"}]
     rows[1] = json.dumps(bad)
     (demo / "bad.jsonl").write_text("\n".join(rows) + "\n")
-    sets = (f"data.path={demo}/bad.jsonl", "data.global_batch=2", "data.pack_length=128",
-            "data.shuffle=false")  # fmt: skip
+    sets = (
+        f"data.path={demo}/bad.jsonl",
+        "data.global_batch=2",
+        "data.pack_length=128",
+        "data.shuffle=false",
+    )
     with pytest.raises(DataError, match=r"bad.jsonl:1: missing media file .*images/missing.png"):
         _stream(demo_recipe(demo, *sets)).next_step()
     skipping = _stream(demo_recipe(demo, *sets, "data.on_bad_row=skip"))
@@ -117,14 +143,23 @@ def test_bad_rows_raise_or_are_skipped_and_counted(demo, tmp_path):
 
 
 def test_a_user_iterable_source(demo):
-    recipe = demo_recipe(demo, "data.path=null", "data.source=data_source:rows",
-                         "data.global_batch=2", "data.pack_length=64")  # fmt: skip
+    recipe = demo_recipe(
+        demo,
+        "data.path=null",
+        "data.source=data_source:rows",
+        "data.global_batch=2",
+        "data.pack_length=64",
+    )
     steps = _steps(_stream(recipe), 3)
     shard0 = [int(d.rsplit(":", 1)[1]) for step in steps for d in step[0]]
     assert shard0 == list(range(0, 2 * len(shard0), 2))  # positions 0, 2, 4, … of the iterable
     with pytest.raises(ValueError, match=r"data\.source must be .package\.module:callable."):
-        _steps(_stream(demo_recipe(demo, "data.path=null", "data.source=nocolon",
-                                   "data.pack_length=64")), 1)  # fmt: skip
+        _steps(
+            _stream(
+                demo_recipe(demo, "data.path=null", "data.source=nocolon", "data.pack_length=64")
+            ),
+            1,
+        )
 
 
 def test_parquet_files_and_dataset_folders_read_the_same_rows(demo, tmp_path):
@@ -157,8 +192,13 @@ def test_frame_sampling_follows_the_recipe(demo):
 
     def videos(*sets):
         stream = _stream(demo_recipe(demo, "data.global_batch=2", "data.pack_length=256", *sets))
-        return {tuple(g) for _ in range(3) for row in stream.next_step().rows for d in row
-                for g in d.video_grid_thw.tolist()}  # fmt: skip
+        return {
+            tuple(g)
+            for _ in range(3)
+            for row in stream.next_step().rows
+            for d in row
+            for g in d.video_grid_thw.tolist()
+        }
 
     assert videos() == {(2, 8, 8)}
     assert videos("data.max_frames=2") == {(1, 8, 8)}
@@ -166,9 +206,17 @@ def test_frame_sampling_follows_the_recipe(demo):
 
 
 def test_rows_must_split_evenly_into_micro_batches(demo):
-    recipe = demo_recipe(demo, "data.global_batch=2", "data.pack_length=128",
-                         "train.grad_accum_steps=3", "train.steps=1")  # fmt: skip
-    with pytest.raises(ValueError, match=r"packed rows per rank \(data\.global_batch / data-par"
-                                         r"allel ranks\)=2 must be a multiple of train\.grad_acc"
-                                         r"um_steps=3"):  # fmt: skip
+    recipe = demo_recipe(
+        demo,
+        "data.global_batch=2",
+        "data.pack_length=128",
+        "train.grad_accum_steps=3",
+        "train.steps=1",
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"packed rows per rank \(data\.global_batch / data-par"
+        r"allel ranks\)=2 must be a multiple of train\.grad_acc"
+        r"um_steps=3",
+    ):
         train(recipe)

@@ -30,10 +30,15 @@ LAYOUTS = {
     "ep2_fsdp": ("parallel.dp=4", "parallel.ep=2"),
     "cp2_ep2": ("parallel.dp=2", "parallel.cp=2", "parallel.ep=2", "data.packing=true"),
     "tp2": ("parallel.dp=2", "parallel.tp=2", "data.packing=true"),
-    "tp2_ep2_bf16": ("parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "data.packing=true",
-                     "train.dtype=bfloat16"),
+    "tp2_ep2_bf16": (
+        "parallel.dp=2",
+        "parallel.tp=2",
+        "parallel.ep=2",
+        "data.packing=true",
+        "train.dtype=bfloat16",
+    ),
     "hsdp_ep2": ("parallel.dp_replicate=2", "parallel.dp=2", "parallel.ep=2"),
-}  # fmt: skip
+}
 
 
 def _state(model):
@@ -52,8 +57,11 @@ def expected(tmp_path_factory):
     save_file(mtp, str(per_expert / "model-mtp.safetensors"))
     stacked = tmp_path_factory.mktemp("stacked")
     export_hf(hf, stacked, max_file_bytes=1 << 16)  # several files, experts stacked
-    return {None: _state(build_model(r.model, seed=r.train.seed)),
-            str(per_expert): _state(hf), str(stacked): _state(hf)}  # fmt: skip
+    return {
+        None: _state(build_model(r.model, seed=r.train.seed)),
+        str(per_expert): _state(hf),
+        str(stacked): _state(hf),
+    }
 
 
 # layouts that also train STEPS steps from the per-expert checkpoint against one process
@@ -70,15 +78,20 @@ def from_checkpoint(expected):
 
 @pytest.fixture(scope="module")
 def launch(expected, from_checkpoint):
-    checks = {name: named_check(name, check_materialized_weights, overrides, expected)
-              for name, overrides in LAYOUTS.items()}  # fmt: skip
+    checks = {
+        name: named_check(name, check_materialized_weights, overrides, expected)
+        for name, overrides in LAYOUTS.items()
+    }
     weights, logs, state = from_checkpoint
     for name in TRAINED_FROM_CHECKPOINT:
         checks[f"{name}_trained"] = named_check(
-            f"{name}_trained", check_training_equals_one_process,
+            f"{name}_trained",
+            check_training_equals_one_process,
             # the global batch of one process: each of the 2 data groups takes 2 rows
-            (*LAYOUTS[name], "data.samples_per_rank=2", f"model.weights={weights}"), logs,
-            state)  # fmt: skip
+            (*LAYOUTS[name], "data.samples_per_rank=2", f"model.weights={weights}"),
+            logs,
+            state,
+        )
     return checks, run_checks(list(checks.values()), 4, timeout=600)
 
 
@@ -108,9 +121,13 @@ def test_the_checkpoints_hold_both_expert_layouts(expected):
 
 
 # a tiny model made wide enough that its weights (about 140 MB) dwarf the allocator's noise
-WIDE = ("model.text.hidden_size=256", "model.vision.out_hidden_size=256",
-        "model.text.num_experts=32", "model.text.moe_intermediate_size=256",
-        "model.text.vocab_size=4096")  # fmt: skip
+WIDE = (
+    "model.text.hidden_size=256",
+    "model.vision.out_hidden_size=256",
+    "model.text.num_experts=32",
+    "model.text.moe_intermediate_size=256",
+    "model.text.vocab_size=4096",
+)
 WINDOW = 4 << 20
 
 
@@ -127,8 +144,15 @@ def test_loading_holds_the_shards_plus_one_slice(tmp_path):
     peaks at 78-86 MiB and fails)."""
     overrides = ("parallel.dp=2", "parallel.cp=1", "parallel.ep=2", *WIDE)
     export_hf(build_model(load_recipe(TINY, overrides).model), tmp_path)
-    outcomes = launch_ranks(_load_peak, 2, overrides, str(tmp_path), WINDOW, timeout=300,
-                      env={"MALLOC_MMAP_THRESHOLD_": "131072"})  # fmt: skip
+    outcomes = launch_ranks(
+        _load_peak,
+        2,
+        overrides,
+        str(tmp_path),
+        WINDOW,
+        timeout=300,
+        env={"MALLOC_MMAP_THRESHOLD_": "131072"},
+    )
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
     for o in outcomes:
         got = o.value

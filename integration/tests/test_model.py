@@ -18,7 +18,7 @@ from helpers import hf_forward, tiny
 
 from dist_testkit import assert_close, assert_grads_close
 from qwen35_trainer import TrainingObjective, build_config, global_batch, swap_moe_blocks
-from qwen35_trainer.objective import shifted_labels
+from qwen35_trainer.model.objective import shifted_labels
 
 
 def _pair(recipe):

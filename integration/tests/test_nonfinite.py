@@ -12,13 +12,14 @@ import torch
 from helpers import demo_recipe, media_document, nan_pixels, tiny
 
 from qwen35_trainer import train
-from qwen35_trainer.checkpoint import checkpoints_in
 from qwen35_trainer.cli import main
 from qwen35_trainer.data.demo import make_demo
-from qwen35_trainer.integrity import INTACT, verify
-from qwen35_trainer.nonfinite import NonFiniteStep
+from qwen35_trainer.data.feed import micro_batches
 from qwen35_trainer.parallel import Layout
-from qwen35_trainer.step import micro_batches, train_step
+from qwen35_trainer.train.checkpoint import checkpoints_in
+from qwen35_trainer.train.integrity import INTACT, verify
+from qwen35_trainer.train.nonfinite import NonFiniteStep
+from qwen35_trainer.train.step import train_step
 
 DATA = ("data.global_batch=2", "data.pack_length=128", "train.eval_every=0")
 
@@ -42,8 +43,9 @@ def _local(value):
 
 def _snapshot(objective, optimizer):
     params = {k: _local(v).clone() for k, v in objective.state_dict().items()}
-    moments = [(k, _local(v).clone()) for state in optimizer.state.values()
-               for k, v in state.items()]  # fmt: skip
+    moments = [
+        (k, _local(v).clone()) for state in optimizer.state.values() for k, v in state.items()
+    ]
     return params, moments
 
 
@@ -58,14 +60,14 @@ def test_a_nonfinite_step_changes_no_weight_and_no_optimizer_state():
     run = train(recipe)
     objective, optimizer = run.objective, run.optimizer
     before = _snapshot(objective, optimizer)
-    micro, _ = micro_batches(recipe, objective.model, Layout(), 1, torch.device("cpu"))
+    micro, _ = micro_batches(recipe, objective.model.config, Layout(), 1, torch.device("cpu"))
     micro[0][0].pixel_values.fill_(float("nan"))
     step = dict(aux_coef=1e-3, grad_clip=1.0, device=torch.device("cpu"))
     result = train_step(objective, optimizer, micro, Layout(), **step)
     assert not result.applied and math.isnan(result.grad_norm) and math.isnan(result.ce)
     assert _same(_snapshot(objective, optimizer), before)
     assert all(p.grad is None for p in objective.parameters())
-    micro, _ = micro_batches(recipe, objective.model, Layout(), 1, torch.device("cpu"))
+    micro, _ = micro_batches(recipe, objective.model.config, Layout(), 1, torch.device("cpu"))
     assert train_step(objective, optimizer, micro, Layout(), **step).applied
     assert not _same(_snapshot(objective, optimizer), before)  # a finite step does change them
 
@@ -84,10 +86,19 @@ def test_stop_names_the_step_and_its_documents_and_keeps_the_weights(demo, poiso
 
 def test_stop_exits_1_and_the_newest_checkpoint_is_intact(demo, poisoned, tmp_path, capsys):
     source, _ = poisoned
-    sets = [*DATA, f"data.path={demo}/train.jsonl", f"data.processor={demo}/processor",
-            f"data.eval_path={demo}/heldout.jsonl", "data.workers=0", "parallel.dp=1",
-            "parallel.cp=1", "parallel.ep=1", "train.steps=5", "train.checkpoint_every=1",
-            f"train.output_dir={tmp_path}"]  # fmt: skip
+    sets = [
+        *DATA,
+        f"data.path={demo}/train.jsonl",
+        f"data.processor={demo}/processor",
+        f"data.eval_path={demo}/heldout.jsonl",
+        "data.workers=0",
+        "parallel.dp=1",
+        "parallel.cp=1",
+        "parallel.ep=1",
+        "train.steps=5",
+        "train.checkpoint_every=1",
+        f"train.output_dir={tmp_path}",
+    ]
     with nan_pixels(source):
         assert main(["tiny", *(a for s in sets for a in ("--set", s))]) == 1
     err = capsys.readouterr().err
@@ -107,5 +118,8 @@ def test_skip_drops_the_step_and_goes_on(demo, poisoned, caplog):
     skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped:")]
     assert len(skipped) == 1 and "step 3: loss nan" in skipped[0] and source in skipped[0]
     with nan_pixels(source), pytest.raises(NonFiniteStep, match=r"max_skipped_steps=1 skipped"):
-        train(demo_recipe(demo, *DATA, "train.steps=5", "train.on_nonfinite=skip",
-                          "train.max_skipped_steps=1"))  # fmt: skip
+        train(
+            demo_recipe(
+                demo, *DATA, "train.steps=5", "train.on_nonfinite=skip", "train.max_skipped_steps=1"
+            )
+        )

@@ -16,8 +16,9 @@ from helpers import tiny
 from dist_testkit import assert_close, assert_grads_close
 from qwen35_trainer import TrainingObjective, build_model
 from qwen35_trainer.data import IGNORE_INDEX, collate, rank_samples
-from qwen35_trainer.data.packing import enable_packing, pack
-from qwen35_trainer.objective import shifted_labels
+from qwen35_trainer.data.packing import pack
+from qwen35_trainer.model.objective import shifted_labels
+from qwen35_trainer.model.packed import enable_packing
 
 
 def _setup():

@@ -12,21 +12,33 @@ import itertools
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from qwen35_trainer import ParallelRecipe, check_layout
+from qwen35_trainer import ParallelRecipe, validate_layout
 from qwen35_trainer.parallel import ParallelDims
 from qwen35_trainer.parallel.apply import check_tp_heads
+
+
+def check_layout(spec: ParallelRecipe, world: int, *, packing: bool):
+    """:func:`validate_layout` of a recipe with this ``parallel`` section and packing."""
+    return validate_layout(
+        SimpleNamespace(parallel=spec, data=SimpleNamespace(packing=packing)), world
+    )
 
 
 @pytest.mark.parametrize(
     ("spec", "world", "packing", "message"),
     [
-        (dict(dp=2, cp=2), 2, True,
-         r"dp_replicate=1 x dp=2 x cp=2 x tp=1 = 4 ranks, but the launched world size "
-         r"\(WORLD_SIZE\) is 2: launch with `torchrun --nproc-per-node 4"),
+        (
+            dict(dp=2, cp=2),
+            2,
+            True,
+            r"dp_replicate=1 x dp=2 x cp=2 x tp=1 = 4 ranks, but the launched world size "
+            r"\(WORLD_SIZE\) is 2: launch with `torchrun --nproc-per-node 4",
+        ),
         (dict(dp=4, ep=3), 4, False, r"parallel.ep=3 must divide parallel.dp x parallel.cp = 4"),
         (dict(dp=2, cp=2, ep=8), 4, True, r"parallel.ep=8 must divide parallel.dp x parallel.cp"),
         (dict(dp=1, cp=2), 2, False, r"parallel.cp > 1 needs data.packing"),
@@ -35,7 +47,7 @@ from qwen35_trainer.parallel.apply import check_tp_heads
         (dict(dp=2, dp_replicate=2), 2, False, r"dp_replicate=2 x dp=2 .* = 4 ranks"),
         (dict(dp=1, tp=2), 2, False, r"parallel.tp > 1 needs data.packing: the TP-split Gated"),
     ],
-)  # fmt: skip
+)
 def test_every_refusal_says_why(spec, world, packing, message):
     with pytest.raises(ValueError, match=message):
         check_layout(ParallelRecipe(**spec), world, packing=packing)
@@ -47,9 +59,15 @@ def test_several_reasons_are_reported_together():
 
 
 def test_layouts_of_the_issue_fit():
-    for spec in (dict(cp=4, ep=2), dict(dp=2, cp=2, ep=4), dict(dp=2, cp=2, ep=2, ep_first="dp"),
-                 dict(tp=2, cp=2), dict(dp=2, tp=2, ep=2), dict(dp=2, tp=2),
-                 dict(dp=2, dp_replicate=2)):  # fmt: skip
+    for spec in (
+        dict(cp=4, ep=2),
+        dict(dp=2, cp=2, ep=4),
+        dict(dp=2, cp=2, ep=2, ep_first="dp"),
+        dict(tp=2, cp=2),
+        dict(dp=2, tp=2, ep=2),
+        dict(dp=2, tp=2),
+        dict(dp=2, dp_replicate=2),
+    ):
         check_layout(ParallelRecipe(**spec), 4, packing=True)
     dims = check_layout(ParallelRecipe(dp=4, cp=32, ep=8), 128, packing=True)
     assert (dims.batch, dims.efsdp, dims.ep_factors) == (128, 16, (1, 8))
@@ -62,8 +80,11 @@ def test_tp_must_split_heads_whole():
 
     text = build_config(tiny().model).text_config
     check_tp_heads(text, 2)
-    with pytest.raises(ValueError, match=r"parallel.tp=4 must divide the attention head counts .*"
-                                         r"'num_key_value_heads': 2"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"parallel.tp=4 must divide the attention head counts .*"
+        r"'num_key_value_heads': 2",
+    ):
         check_tp_heads(text, 4)
 
 
@@ -93,7 +114,7 @@ def _dense(dims: ParallelDims) -> torch.Tensor:
         # HSDP 2 x DP 2, EP 2: inside each replica
         (dict(world=4, dp_replicate=2, dp_shard=2, ep=2), {(0, 1), (2, 3)}),
     ],
-)  # fmt: skip
+)
 def test_expert_groups(spec, ep_groups):
     dims = ParallelDims(**spec)
     grid = dims.expert_grid(_dense(dims))

@@ -7,6 +7,7 @@ the index, nothing is downloaded beyond metadata)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import venv
@@ -29,8 +30,64 @@ def test_pip_resolves_the_trainer_in_a_fresh_environment(tmp_path):
     report = tmp_path / "report.json"
     done = subprocess.run(
         [str(pip), "install", "--dry-run", "--quiet", "--report", str(report), *targets],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     names = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
     assert {"qwen35-trainer", "torch", "transformers", *WORKSPACE} <= names
+
+
+def test_the_wheel_built_from_the_sdist_carries_the_recipes(tmp_path):
+    """``uv build`` makes the sdist, then the wheel FROM the sdist: the top-level ``recipes/``
+    lands inside the package, and ``qwen35-train tiny --help`` run from the unpacked wheel
+    (imported ahead of the workspace's source tree) lists the built-in recipes it found."""
+    import shutil
+    import zipfile
+
+    uv = shutil.which("uv")
+    command = [uv] if uv else [sys.executable, "-m", "uv"]
+    done = subprocess.run(
+        [*command, "build", str(ROOT / "integration"), "-o", str(tmp_path / "dist")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = (tmp_path / "dist").glob("qwen35_trainer-*.whl")
+    assert len(list((tmp_path / "dist").glob("qwen35_trainer-*.tar.gz"))) == 1
+    shipped = {p.removeprefix("qwen35_trainer/recipes/") for p in zipfile.ZipFile(wheel).namelist()}
+    expected = {p.name for p in (ROOT / "integration" / "recipes").iterdir()}
+    assert expected <= shipped and "tiny.yaml" in expected
+    zipfile.ZipFile(wheel).extractall(tmp_path / "wheel")
+    show = (
+        "import sys, qwen35_trainer; from qwen35_trainer.cli import main; "
+        "print(qwen35_trainer.__file__, flush=True); main(['tiny', '--help'])"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", show],
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "wheel")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    where, usage = run.stdout.split("\n", 1)
+    assert where.startswith(str(tmp_path / "wheel"))
+    listed = " ".join(usage.split()).split("Built-in recipes: ")[1]
+    assert listed.startswith("qwen3_5_122b_a10b_128k, qwen3_5_35b_a3b, qwen3_5_397b_a17b, tiny")
+
+
+def test_the_readme_commands_bring_uv():
+    """The two commands of the top-level README and the trainer's README work on a machine
+    with Python but no uv: every ``uv run`` line first installs uv when it is missing."""
+    for readme in (ROOT / "README.md", ROOT / "integration" / "README.md"):
+        block = readme.read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+        commands = [line for line in block.splitlines() if line and not line.startswith("#")]
+        assert len(commands) == 2, (readme, commands)
+        for line in commands:
+            bootstrap, run = line.split("; ", 1)
+            assert bootstrap == "python3 -m uv -V || python3 -m pip install uv", line
+            assert run.startswith("python3 -m uv run "), line

@@ -11,16 +11,22 @@ from helpers import ONE_PROCESS, SYNTHETIC, TINY
 
 from dist_testkit import launch
 from qwen35_trainer import load_recipe
+from qwen35_trainer.cli import main
 from qwen35_trainer.plan import plan
-from qwen35_trainer.plan.command import plan_main
 from qwen35_trainer.plan.memory import LOSS_CHUNK_BYTES
 
 # world-4 layouts of the tiny recipe: its own (DP 2 x CP 2 with EP 2) and TP 2 x EP 2 in bf16
 SMALL = {
     "tiny": (),
-    "tp2_ep2_bf16": ("parallel.dp=2", "parallel.cp=1", "parallel.tp=2", "parallel.ep=2",
-                     "train.dtype=bfloat16", "data.samples_per_rank=2"),
-}  # fmt: skip
+    "tp2_ep2_bf16": (
+        "parallel.dp=2",
+        "parallel.cp=1",
+        "parallel.tp=2",
+        "parallel.ep=2",
+        "train.dtype=bfloat16",
+        "data.samples_per_rank=2",
+    ),
+}
 
 
 # the built-in recipes of the public sizes: world, layout, total and active parameters (B)
@@ -35,11 +41,15 @@ LARGE = {
 def test_each_public_size_fits_gpus_of_80_gib_with_the_headroom(name, tmp_path, capsys):
     world, layout, total, active = LARGE[name]
     out = tmp_path / "plan.json"
-    assert plan_main([name, "--json", str(out)]) == 0
+    assert main(["plan", name, "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "fits in 80 GiB" in table
-    for term in ("cuda context", "cuBLAS workspaces", "NCCL buffers (5 groups)",
-                 "allocator reserve"):  # fmt: skip
+    for term in (
+        "cuda context",
+        "cuBLAS workspaces",
+        "NCCL buffers (5 groups)",
+        "allocator reserve",
+    ):
         assert f"\n  {term} " in table, term
     result = json.loads(out.read_text())
     assert result["world"] == world and set(result["ranks"]) == {"0", str(world - 1)}
@@ -54,11 +64,11 @@ def test_each_public_size_fits_gpus_of_80_gib_with_the_headroom(name, tmp_path, 
     assert all(v > 0 for v in result["communication_bytes_per_step"].values())
 
 
-def test_headroom_terms_change_the_verdict(capsys):
+def test_headroom_terms_change_the_verdict_and_the_exit_code(capsys, monkeypatch):
     import dataclasses
 
-    from qwen35_trainer.plan import Headroom
-    from qwen35_trainer.plan.command import format_plan
+    import qwen35_trainer.plan
+    from qwen35_trainer.plan import Headroom, format_plan
 
     planned = plan(load_recipe("tiny"))
     quiet = dataclasses.replace(planned, headroom=Headroom(0, 0, 0, 0))
@@ -68,21 +78,34 @@ def test_headroom_terms_change_the_verdict(capsys):
     )
     small = dataclasses.replace(planned, gpu_memory_gib=2.0)  # the context and NCCL alone
     assert quiet.fits and not small.fits and "does NOT fit in 2 GiB" in format_plan(small)
-    assert plan_main(["tiny", "--headroom", "fragmentation=-1"]) == 2
+    assert main(["plan", "tiny", "--headroom", "fragmentation=-1"]) == 2
     assert "--headroom 'fragmentation=-1': expected NAME=VALUE" in capsys.readouterr().err
 
+    # the command's verdict: the same counted tensors (the planner already ran above), the
+    # GPU memory and headroom the command line gives
+    def replanned(recipe, *, name, world_size, gpu_memory_gib, headroom):
+        assert (name, world_size) == ("tiny", None)
+        return dataclasses.replace(planned, gpu_memory_gib=gpu_memory_gib, headroom=headroom)
 
-def test_a_plan_that_does_not_fit_exits_3(capsys):
-    assert plan_main(["tiny", "--gpu-memory", "0.001"]) == 3
+    monkeypatch.setattr(qwen35_trainer.plan, "plan", replanned)
+    assert main(["plan", "tiny", "--gpu-memory", "0.001"]) == 3
     assert "does NOT fit in 0.001 GiB" in capsys.readouterr().out
+    assert main(["plan", "tiny", "--gpu-memory", "80"]) == 0
+    assert main(["plan", "tiny", "--gpu-memory", "2", "--headroom", "nccl_gib_per_group=0"]) == 0
 
 
-@pytest.mark.parametrize(("args", "reason"), [
-    (["--world-size", "5"], "--world-size 5 is not a multiple of parallel.dp_replicate x cp x tp"),
-    (["--set", "parallel.ep=3"], "ep"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (
+            ["--world-size", "5"],
+            "--world-size 5 is not a multiple of parallel.dp_replicate x cp x tp",
+        ),
+        (["--set", "parallel.ep=3"], "ep"),
+    ],
+)
 def test_impossible_layouts_are_refused_with_the_reason(args, reason, capsys):
-    assert plan_main(["tiny", *args]) == 2
+    assert main(["plan", "tiny", *args]) == 2
     assert reason in capsys.readouterr().err
 
 
@@ -112,8 +135,11 @@ def test_predicted_state_bytes_equal_a_real_run(layout):
 
 # fixed-size documents (2 x 24 text tokens around one 8 x 8 image), so the planner's largest row
 # is the row; checkpointing on, as in the large recipe
-FIXED = ("data.text_tokens=[24, 24]", "data.image_grids=[[1, 8, 8]]",
-         "train.activation_checkpointing=true")  # fmt: skip
+FIXED = (
+    "data.text_tokens=[24, 24]",
+    "data.image_grids=[[1, 8, 8]]",
+    "train.activation_checkpointing=true",
+)
 
 
 def _saved(overrides):
@@ -122,8 +148,9 @@ def _saved(overrides):
     return saved_activation_bytes(overrides)
 
 
-@pytest.mark.parametrize(("layout", "world"), [(ONE_PROCESS, 1), ((), 4)],
-                         ids=["one_process", "dp2_cp2_ep2"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("layout", "world"), [(ONE_PROCESS, 1), ((), 4)], ids=["one_process", "dp2_cp2_ep2"]
+)
 def test_predicted_saved_activations_are_within_20_percent(layout, world):
     """The forward's saved tensors (saved_tensors_hooks, storages once, parameters excluded)
     against the planner's activations plus the loss's saved fp32 gradients (its ``loss`` line

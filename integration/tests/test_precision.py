@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from helpers import tiny
 
-import qwen35_trainer.objective as objective_module
+import qwen35_trainer.model.objective as objective_module
 from qwen35_trainer import train
 
 

@@ -84,9 +84,12 @@ def test_bad_train_values_are_refused():
 
 
 def test_model_shapes_that_do_not_fit_are_refused_before_building():
-    with pytest.raises(ValueError, match=r"expected model.vision.out_hidden_size equals "
-                                         r"model.text.hidden_size .*vision hidden 32, heads 4, "
-                                         r"out 48"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"expected model.vision.out_hidden_size equals "
+        r"model.text.hidden_size .*vision hidden 32, heads 4, "
+        r"out 48",
+    ):
         build_config(tiny("model.vision.out_hidden_size=48").model)
     with pytest.raises(
         ValueError,
@@ -96,8 +99,11 @@ def test_model_shapes_that_do_not_fit_are_refused_before_building():
         build_config(tiny("model.text.num_hidden_layers=3").model)
     with pytest.raises(ValueError, match=r"num_key_value_heads divides num_attention_heads"):
         build_config(tiny("model.text.num_key_value_heads=3").model)
-    with pytest.raises(ValueError, match=r"model.weights: '/missing/dir' is not a transformers "
-                                         r"checkpoint directory"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"model.weights: '/missing/dir' is not a transformers "
+        r"checkpoint directory",
+    ):
         build_config(tiny("model.weights=/missing/dir").model)
 
 

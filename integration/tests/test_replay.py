@@ -16,10 +16,16 @@ from qwen35_trainer.data.loader import DataStream
 from qwen35_trainer.model import build_config
 from qwen35_trainer.parallel import Layout
 from qwen35_trainer.recipe import load_recipe
-from qwen35_trainer.replay import replay
+from qwen35_trainer.train.replay import replay
 
-RUN = (*ONE_PROCESS, "data.global_batch=2", "data.pack_length=128", "train.eval_every=2",
-       "train.steps=5", "data.workers=0")  # fmt: skip
+RUN = (
+    *ONE_PROCESS,
+    "data.global_batch=2",
+    "data.pack_length=128",
+    "train.eval_every=2",
+    "train.steps=5",
+    "data.workers=0",
+)
 
 
 def _sets(*items: str) -> list[str]:

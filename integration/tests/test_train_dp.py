@@ -45,59 +45,154 @@ LAYOUTS = {
         (2, 4),
     ),
     "cp_all_ac": (
-        ("parallel.dp=1", "parallel.cp={world}", "data.samples_per_rank=4", "data.packing=true",
-         "train.activation_checkpointing=true"),
+        (
+            "parallel.dp=1",
+            "parallel.cp={world}",
+            "data.samples_per_rank=4",
+            "data.packing=true",
+            "train.activation_checkpointing=true",
+        ),
         "base",
         (2, 4),
     ),
     "dp_x_tp2_packed": (
-        ("parallel.dp={half}", "parallel.tp=2", "data.samples_per_rank={rows}",
-         "data.packing=true"),
+        (
+            "parallel.dp={half}",
+            "parallel.tp=2",
+            "data.samples_per_rank={rows}",
+            "data.packing=true",
+        ),
         "base",
         (2, 4),
     ),
     "dp_x_cp2_ep2": (
-        ("parallel.dp={half}", "parallel.cp=2", "parallel.ep=2", "data.samples_per_rank={rows}",
-         "data.packing=true"),
+        (
+            "parallel.dp={half}",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank={rows}",
+            "data.packing=true",
+        ),
         "base",
         (2, 4),
     ),
     # EP groups inside one CP group: the 122B shape (EP 8 inside CP 32) in miniature
-    "cp4_ep2": (("parallel.dp=1", "parallel.cp=4", "parallel.ep=2", "data.samples_per_rank=4",
-                 "data.packing=true"), "base", (4,)),
+    "cp4_ep2": (
+        (
+            "parallel.dp=1",
+            "parallel.cp=4",
+            "parallel.ep=2",
+            "data.samples_per_rank=4",
+            "data.packing=true",
+        ),
+        "base",
+        (4,),
+    ),
     # one EP group spanning both DP and both CP ranks
-    "dp2_cp2_ep4": (("parallel.dp=2", "parallel.cp=2", "parallel.ep=4",
-                     "data.samples_per_rank=2", "data.packing=true"), "base", (4,)),
+    "dp2_cp2_ep4": (
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            "parallel.ep=4",
+            "data.samples_per_rank=2",
+            "data.packing=true",
+        ),
+        "base",
+        (4,),
+    ),
     # EP over the DP ranks (ranks with the same CP index)
-    "dp2_cp2_ep2_over_dp": (("parallel.dp=2", "parallel.cp=2", "parallel.ep=2",
-                             "parallel.ep_first=dp", "data.samples_per_rank=2",
-                             "data.packing=true"), "base", (4,)),
-    "tp2_cp2": (("parallel.dp=1", "parallel.tp=2", "parallel.cp=2", "data.samples_per_rank=4",
-                 "data.packing=true"), "base", (4,)),
+    "dp2_cp2_ep2_over_dp": (
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "parallel.ep_first=dp",
+            "data.samples_per_rank=2",
+            "data.packing=true",
+        ),
+        "base",
+        (4,),
+    ),
+    "tp2_cp2": (
+        (
+            "parallel.dp=1",
+            "parallel.tp=2",
+            "parallel.cp=2",
+            "data.samples_per_rank=4",
+            "data.packing=true",
+        ),
+        "base",
+        (4,),
+    ),
     # EP over DP with TP: the TP peers dispatch the same tokens in different EP groups
-    "tp2_ep2": (("parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "data.samples_per_rank=2",
-                 "data.packing=true"), "base", (4,)),
+    "tp2_ep2": (
+        (
+            "parallel.dp=2",
+            "parallel.tp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank=2",
+            "data.packing=true",
+        ),
+        "base",
+        (4,),
+    ),
     "hsdp_ep2": (("parallel.dp_replicate=2", "parallel.dp=2", "parallel.ep=2"), "base", (4,)),
     # accumulation: two half batches per step equal one full batch (the aux loss, a product of
     # two batch means, is per micro-batch: off here)
-    "accum_dp2_cp2_ep2": (("parallel.dp=2", "parallel.cp=2", "parallel.ep=2",
-                           "data.samples_per_rank=2", "data.packing=true",
-                           "train.grad_accum_steps=2", "train.router_aux_loss_coef=0"),
-                          "no_aux", (4,)),
-    "accum_tp2_ep2": (("parallel.dp=2", "parallel.tp=2", "parallel.ep=2",
-                       "data.samples_per_rank=2", "data.packing=true",
-                       "train.grad_accum_steps=2", "train.router_aux_loss_coef=0"),
-                      "no_aux", (4,)),
+    "accum_dp2_cp2_ep2": (
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank=2",
+            "data.packing=true",
+            "train.grad_accum_steps=2",
+            "train.router_aux_loss_coef=0",
+        ),
+        "no_aux",
+        (4,),
+    ),
+    "accum_tp2_ep2": (
+        (
+            "parallel.dp=2",
+            "parallel.tp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank=2",
+            "data.packing=true",
+            "train.grad_accum_steps=2",
+            "train.router_aux_loss_coef=0",
+        ),
+        "no_aux",
+        (4,),
+    ),
     # text-only rows: DP ranks 2, 3 (padded rows); DP group 1's packed row over its CP ranks
     "fsdp_text_only": (("data.text_only=[4, 2]",), "text_only", (4,)),
-    "dp2_cp2_ep2_text_only": (("parallel.dp=2", "parallel.cp=2", "parallel.ep=2",
-                               "data.samples_per_rank=2", "data.packing=true",
-                               "data.text_only=[4, 2]"), "text_only", (4,)),
+    "dp2_cp2_ep2_text_only": (
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank=2",
+            "data.packing=true",
+            "data.text_only=[4, 2]",
+        ),
+        "text_only",
+        (4,),
+    ),
     # bf16 (fp32 master weights and reduction) against one-process bf16; see BF16_COMPARE
-    "bf16_dp2_cp2_ep2": (("parallel.dp=2", "parallel.cp=2", "parallel.ep=2",
-                          "data.samples_per_rank=2", "data.packing=true",
-                          "train.dtype=bfloat16"), "bf16", (4,)),
-}  # fmt: skip
+    "bf16_dp2_cp2_ep2": (
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank=2",
+            "data.packing=true",
+            "train.dtype=bfloat16",
+        ),
+        "bf16",
+        (4,),
+    ),
+}
 
 VARIANTS = {
     "base": (),
@@ -173,8 +268,9 @@ def launch(request, references, tmp_path_factory):
     )
     for name, overrides in REPEATS.items():
         if world == 4:  # the tiny recipe's own 4 ranks
-            checks[name] = named_check(name, check_runs_repeat,
-                                       str(tmp_path_factory.mktemp(name)), overrides)  # fmt: skip
+            checks[name] = named_check(
+                name, check_runs_repeat, str(tmp_path_factory.mktemp(name)), overrides
+            )
     return checks, run_checks(list(checks.values()), world, timeout=900), saved, exported
 
 

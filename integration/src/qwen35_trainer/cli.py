@@ -31,24 +31,24 @@ each resuming from the newest complete checkpoint.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
-import time
 import traceback
-import uuid
 from pathlib import Path
 
 import torch.distributed as dist
 
-from qwen35_trainer.preemption import Preempted
 from qwen35_trainer.recipe import (
     add_recipe_arguments,
     builtin_recipes,
     load_recipe,
-    recipe_path,
 )
-from qwen35_trainer.train import StepLog, train
+from qwen35_trainer.train import train
+from qwen35_trainer.train.console import Console, quiet_cpu_notices
+from qwen35_trainer.train.launch import default_output_dir, launch, worker_exit
+from qwen35_trainer.train.preemption import Preempted
 
 __all__ = [
     "EXIT_BAD_RECIPE",
@@ -59,7 +59,13 @@ __all__ = [
     "main",
 ]
 
-EXIT_NON_FINITE, EXIT_BAD_RECIPE, EXIT_NOT_INTACT, EXIT_INTERNAL, EXIT_PREEMPTED = 1, 2, 3, 4, 5
+# The one exit-code table of every qwen35-train command.
+EXIT_NON_FINITE = 1  # a step with a non-finite loss or gradient norm (not applied)
+EXIT_BAD_RECIPE = 2  # bad input: recipe, launch, data row, checkpoint path (one message says why)
+EXIT_NOT_INTACT = 3  # a finding: checkpoint not intact, bad data rows, a plan that does not fit
+EXIT_BAD_ROWS = EXIT_DOES_NOT_FIT = EXIT_NOT_INTACT
+EXIT_INTERNAL = 4  # an unexpected internal error (with its traceback)
+EXIT_PREEMPTED = 5  # stopped by SIGTERM / SIGUSR1 after a step and a checkpoint
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,91 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _eta(log: StepLog, steps: int, first: tuple[int, float] | None) -> str:
-    """Remaining time at the pace since the first reported step (which includes the warmup of
-    the first step: compiles, allocations); "--" until there is a pace."""
-    if first is None or log.step == first[0]:
-        return "--"
-    left = (time.perf_counter() - first[1]) / (log.step - first[0]) * (steps - log.step)
-    return f"{int(left // 60)}:{int(left % 60):02d}"
-
-
-def _line(log: StepLog, steps: int, eta: str) -> str:
-    rate = log.tokens / log.seconds if log.seconds > 0 else float("nan")
-    return (
-        f"step {log.step:>{len(str(steps))}}/{steps}  loss {log.loss:.4f}  ce {log.ce:.4f}  "
-        f"aux {log.aux:.4f}  grad_norm {log.grad_norm:.3f}  lr {log.lr:.3g}  "
-        f"tokens {log.tokens}  {rate:.0f} tok/s  {log.seconds * 1000:.0f} ms  eta {eta}"
-        + ("" if log.fill is None else f"  fill {log.fill:.2f}")
-        + _eval_part(log)
-    )
-
-
-def _eval_part(log: StepLog) -> str:
-    if log.eval_loss is None:
-        return ""
-    return f"  eval {log.eval_loss:.4f}  accuracy {log.eval_accuracy:.3f}"
-
-
-def _output_dir(recipe_arg: str) -> str:
-    """``runs/<recipe>-<time>``; under a launcher the run id, the same on every rank."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    stamp = run_id if run_id and run_id != "none" else time.strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", f"{recipe_path(recipe_arg).stem}-{stamp}")
-
-
-def _world(parallel) -> int:
-    return parallel.dp_replicate * parallel.dp * parallel.cp * parallel.tp
-
-
-def _launch(argv: list[str], nproc: int, max_restarts: int) -> int:
-    """Start ``nproc`` local workers running this command (they see ``WORLD_SIZE``)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    # the workers say why they stop (rank 0's message); the process supervisor's own lines
-    # ("failed (exitcode: N)", "Sending process ... closing signal") only repeat it. Restart
-    # notices come from the agent's logger and stay.
-    logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
-    # like torchrun: the workers share the cores (unset, each would take all of them; 4 workers
-    # x 2 threads on 2 cores wait on each other at every parallel region)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-                          max_restarts=max_restarts)  # fmt: skip
-    try:
-        elastic_launch(config, sys.executable)("-m", "qwen35_trainer.cli", *argv)
-    except ChildFailedError as failed:  # the first worker to fail says why (others follow)
-        rank, failure = failed.get_first_failure()
-        if failure.exitcode < 0:  # killed by a signal: nobody else says so
-            print(f"qwen35-train: worker rank {rank} was killed by signal {-failure.exitcode}",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            return 128 - failure.exitcode  # the shell's convention
-        return failure.exitcode
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
-    """The command; a worker of a multi-rank run leaves through :func:`_worker_exit`."""
+    """The command; a worker of a multi-rank run leaves through :func:`~qwen35_trainer.train.launch.worker_exit`."""
+    quiet_cpu_notices()
     code = _main(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_initialized():
-        _worker_exit(code)
+        worker_exit(code, agreed=code in (0, EXIT_PREEMPTED))
     return code
-
-
-def _worker_exit(code: int) -> None:
-    """End a worker without the interpreter's teardown. There, gloo's threads abort the process
-    now and then ("terminate called without an active exception", exit 134): a finished run
-    reads as failed, and the launcher then kills the ranks still writing their outputs (rank 0's
-    ``loss.png``, rank 0's last message). After a successful or an agreed preempted run every
-    rank waits for the others (they all ran the same collectives and stopped after the same
-    step, so none waits forever), the group is destroyed, and the process exits with ``code``."""
-    if code in (0, EXIT_PREEMPTED):
-        dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _checkpoint_main(argv: list[str]) -> int:
@@ -191,7 +119,7 @@ def _checkpoint_main(argv: list[str]) -> int:
     check.add_argument("dir", type=Path, help="a step_NNNNNN directory, or a directory of them")
     check.add_argument("--sizes-only", action="store_true", help="compare sizes, not checksums")
     args = parser.parse_args(argv)
-    from qwen35_trainer.integrity import INTACT, verify_all
+    from qwen35_trainer.train.integrity import INTACT, verify_all
 
     try:
         verdicts = verify_all(args.dir, checksums=not args.sizes_only)
@@ -221,9 +149,9 @@ def _replay_main(argv: list[str]) -> int:
     printing = os.environ.get("RANK", "0") == "0"
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        if "WORLD_SIZE" not in os.environ and _world(recipe.parallel) > 1:
-            return _launch(["replay", *argv], _world(recipe.parallel), 0)
-        from qwen35_trainer.replay import logged_record, replay
+        if "WORLD_SIZE" not in os.environ and recipe.parallel.world > 1:
+            return launch(["replay", *argv], recipe.parallel.world, 0)
+        from qwen35_trainer.train.replay import logged_record, replay
 
         result = replay(recipe, args.checkpoint, args.step)
     except (OSError, ValueError) as err:
@@ -235,24 +163,125 @@ def _replay_main(argv: list[str]) -> int:
     return 0
 
 
+def _plan_main(argv: list[str]) -> int:
+    """``qwen35-train plan RECIPE``: the plan's table (:mod:`qwen35_trainer.plan`); exit 0 when
+    the predicted peak fits ``--gpu-memory``, 3 when it does not, 2 for a recipe or layout that
+    cannot run."""
+    parser = argparse.ArgumentParser(
+        prog="qwen35-train plan",
+        description="Memory and communication per GPU of a recipe, on a fake world (CPU only).",
+    )
+    add_recipe_arguments(parser)
+    parser.add_argument("--world-size", type=int, help="ranks (rescales the data-parallel degree)")
+    parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB")
+    parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON there")
+    parser.add_argument(
+        "--headroom",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change a term beyond the counted tensors (repeatable): "
+        "cuda_context_gib, cublas_gib, nccl_gib_per_group, fragmentation",
+    )
+    args = parser.parse_args(argv)
+    from qwen35_trainer.plan import Headroom, format_plan, plan
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        result = plan(
+            recipe,
+            name=str(args.recipe),
+            world_size=args.world_size,
+            gpu_memory_gib=args.gpu_memory,
+            headroom=Headroom.parse(args.headroom),
+        )
+    except (OSError, ValueError) as err:
+        print(f"qwen35-train plan: {err}", file=sys.stderr)
+        return EXIT_BAD_RECIPE
+    print(format_plan(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=2))
+    return 0 if result.fits else EXIT_DOES_NOT_FIT
+
+
+def _export_main(argv: list[str]) -> int:
+    """``qwen35-train export RECIPE CHECKPOINT OUT`` (:mod:`qwen35_trainer.train.export`); exit
+    0, or 2 with the reason (bad recipe, no checkpoint there, a damaged checkpoint, one of
+    another model)."""
+    parser = argparse.ArgumentParser(
+        prog="qwen35-train export",
+        description="A training checkpoint as a transformers checkpoint directory.",
+    )
+    add_recipe_arguments(parser, recipe_help="the recipe the checkpoint was trained with")
+    parser.add_argument("checkpoint", type=Path, help="a step_NNNNNN directory or its parent")
+    parser.add_argument("out", type=Path, help="the transformers checkpoint directory to write")
+    args = parser.parse_args(argv)
+    from qwen35_trainer.train.export import export_checkpoint, resolve_checkpoint
+
+    logging.basicConfig(level=logging.WARNING, format="qwen35-train export: %(message)s")
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        checkpoint = resolve_checkpoint(args.checkpoint)
+        step = export_checkpoint(recipe, checkpoint, args.out)
+    except (OSError, ValueError) as err:
+        print(f"qwen35-train export: {err}", file=sys.stderr)
+        return EXIT_BAD_RECIPE
+    if os.environ.get("RANK", "0") == "0":
+        print(f"exported step {step} of {checkpoint} to {args.out}")
+    return 0
+
+
+def _data_main(argv: list[str]) -> int:
+    """``qwen35-train data make-demo DIR`` (:mod:`qwen35_trainer.data.demo`) and ``data check
+    RECIPE [--limit N]`` (:mod:`qwen35_trainer.data.check`); exit 0, 3 when rows are bad
+    (listed), 2 for a bad recipe or dataset."""
+    parser = argparse.ArgumentParser(
+        prog="qwen35-train data", description="The demo dataset, and a recipe's dataset checked."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make-demo", help="write the demo dataset into DIR")
+    make.add_argument("dir", type=Path)
+    make.add_argument("--train-rows", type=int, default=800)
+    make.add_argument("--heldout-rows", type=int, default=128)
+    check = sub.add_parser("check", help="read a recipe's dataset and report it")
+    add_recipe_arguments(check)
+    check.add_argument("--limit", type=int, help="read only the first N rows")
+    args = parser.parse_args(argv)
+    if args.command == "make-demo":
+        from qwen35_trainer.data.demo import make_demo
+
+        root = make_demo(args.dir, train_rows=args.train_rows, heldout_rows=args.heldout_rows)
+        print(
+            f"wrote the demo dataset to {root}: train.jsonl ({args.train_rows} rows), "
+            f"heldout.jsonl ({args.heldout_rows} rows), images/, videos/, processor/"
+        )
+        return 0
+    from qwen35_trainer.data.check import check_dataset
+    from qwen35_trainer.model import build_config
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        report = check_dataset(recipe, build_config(recipe.model), args.limit)
+    except (OSError, ValueError) as error:
+        print(f"qwen35-train data: {error}", file=sys.stderr)
+        return EXIT_BAD_RECIPE
+    print("\n".join(report.lines()))
+    return EXIT_BAD_ROWS if report.bad_rows else 0
+
+
+SUBCOMMANDS = {
+    "plan": _plan_main,
+    "export": _export_main,
+    "data": _data_main,
+    "checkpoint": _checkpoint_main,
+    "replay": _replay_main,
+}
+
+
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["plan"]:
-        from qwen35_trainer.plan.command import plan_main
-
-        return plan_main(argv[1:])
-    if argv[:1] == ["export"]:
-        from qwen35_trainer.export_command import export_main
-
-        return export_main(argv[1:])
-    if argv[:1] == ["data"]:
-        from qwen35_trainer.data.command import data_main
-
-        return data_main(argv[1:])
-    if argv[:1] == ["checkpoint"]:
-        return _checkpoint_main(argv[1:])
-    if argv[:1] == ["replay"]:
-        return _replay_main(argv[1:])
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     args = _parser().parse_args(argv)
     printing = os.environ.get("RANK", "0") == "0"
 
@@ -264,45 +293,21 @@ def _main(argv: list[str] | None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         extra = []
         if args.nproc is not None:
-            p = recipe.parallel
-            per_dp = p.dp_replicate * p.cp * p.tp
-            if args.nproc < 1 or args.nproc % per_dp:
-                raise ValueError(
-                    f"--nproc {args.nproc} is not a multiple of parallel.dp_replicate x cp x tp "
-                    f"= {per_dp}, so no data-parallel degree fits it"
-                )
-            extra.append(f"parallel.dp={args.nproc // per_dp}")
+            extra.append(f"parallel.dp={recipe.parallel.filling(args.nproc, '--nproc').dp}")
         if recipe.train.output_dir is None:
-            extra.append(f"train.output_dir={_output_dir(args.recipe)}")
+            extra.append(f"train.output_dir={default_output_dir(args.recipe)}")
         recipe = load_recipe(args.recipe, [*args.overrides, *extra])
     except (OSError, ValueError) as err:
         say(f"bad recipe: {err}")
         return EXIT_BAD_RECIPE
-    if "WORLD_SIZE" not in os.environ and _world(recipe.parallel) > 1:
+    if "WORLD_SIZE" not in os.environ and recipe.parallel.world > 1:
         sets = [a for item in [*args.overrides, *extra] for a in ("--set", item)]
-        return _launch([args.recipe, *sets], _world(recipe.parallel), args.max_restarts)
+        return launch([args.recipe, *sets], recipe.parallel.world, args.max_restarts)
     if printing:
         logging.basicConfig(level=logging.INFO, format="qwen35-train: %(message)s")
-    steps, first = recipe.train.steps, [None]
-    bar = None
-    if printing and sys.stdout.isatty():  # a terminal: one progress bar instead of lines
-        from tqdm import tqdm
-
-        bar = tqdm(total=steps, unit="step", dynamic_ncols=True)
-
-    def report(log: StepLog) -> None:
-        first[0] = first[0] or (log.step, time.perf_counter())
-        if bar is not None:
-            bar.n = log.step
-            rate = log.tokens / log.seconds if log.seconds > 0 else 0.0
-            bar.set_postfix(loss=f"{log.loss:.4f}", lr=f"{log.lr:.2g}", tok_s=f"{rate:.0f}")
-        elif printing and (log.step % recipe.train.log_every == 0 or log.step == steps):
-            print(_line(log, steps, _eta(log, steps, first[0])), flush=True)
-
+    console = Console(recipe.train.steps, recipe.train.log_every, printing)
     try:
-        logs = train(recipe, on_step=report).logs
-        if bar is not None:
-            bar.close()
+        logs = train(recipe, on_step=console.step).logs
     except FloatingPointError as err:
         say(str(err))
         return EXIT_NON_FINITE
@@ -315,12 +320,7 @@ def _main(argv: list[str] | None) -> int:
     except Exception:
         say("internal error (please report it):\n" + traceback.format_exc())
         return EXIT_INTERNAL
-    if printing and logs:
-        print(f"done: steps {logs[0].step}..{logs[-1].step} of {steps}, "
-              f"loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}; run folder "
-              f"{recipe.train.output_dir}")  # fmt: skip
-    elif printing:
-        print(f"done: nothing to run, the newest checkpoint already has {steps} steps")
+    console.close(logs, recipe.train.output_dir)
     return 0
 
 

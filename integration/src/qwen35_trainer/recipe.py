@@ -62,8 +62,10 @@ class ModelRecipe:
 
     def __post_init__(self) -> None:
         if self.path and self.weights:
-            raise ValueError("model.weights and model.path are two sources of weights: with "
-                             "model.path the weights are its safetensors (drop model.weights)")  # fmt: skip
+            raise ValueError(
+                "model.weights and model.path are two sources of weights: with "
+                "model.path the weights are its safetensors (drop model.weights)"
+            )
 
     @property
     def weights_dir(self) -> str | None:
@@ -135,40 +137,63 @@ class DataRecipe:
         """Packed rows per step over all ranks (``global_batch``, a multiple of ``dp``)."""
         rows = dp if self.global_batch is None else self.global_batch
         if rows % dp:
-            raise ValueError(f"data.global_batch={rows} must be a multiple of the {dp} "
-                             "data-parallel ranks (each takes the same number of rows)")  # fmt: skip
+            raise ValueError(
+                f"data.global_batch={rows} must be a multiple of the {dp} "
+                "data-parallel ranks (each takes the same number of rows)"
+            )
         return rows
 
     def __post_init__(self) -> None:
         lo, hi = self.text_tokens
         dataset = self.dataset
-        _refuse("data", {
-            "samples_per_rank": (self.samples_per_rank >= 1, ">= 1"),
-            "text_tokens": (1 <= lo <= hi, "[lo, hi] with 1 <= lo <= hi"),
-            "images_per_sample": (self.images_per_sample >= 0, ">= 0"),
-            "image_grids": (bool(self.image_grids) and all(min(g) >= 1 for g in self.image_grids),
-                            "a non-empty list of [t, h, w] with every entry >= 1"),
-            "pack_length": ((self.pack_length is None and not dataset) or (
-                self.pack_length is not None and self.pack_length >= 8
-                and (not dataset or self.pack_length % 8 == 0)),
-                "a multiple of 8 tokens (>= 8) with a dataset, else >= 8 or null"),
-            "text_only": (self.text_only is None or (0 <= self.text_only[1] <= self.text_only[0]
-                          and self.text_only[0] >= 1),
-                          "[period, count] with 0 <= count <= period, or null"),
-            "source": (not (self.path and self.source), "null when data.path is set (one of them)"),
-            "processor": (bool(self.processor) or not dataset,
-                          "a processor directory when data.path or data.source is set"),
-            "packing": (self.packing or not dataset, "true with a dataset (rows are packed)"),
-            "train_on": (self.train_on in TRAIN_ON, f"one of {TRAIN_ON}"),
-            "global_batch": (self.global_batch is None or self.global_batch >= 1, ">= 1 or null"),
-            "over_capacity": (self.over_capacity in OVER_CAPACITY, f"one of {OVER_CAPACITY}"),
-            "on_bad_row": (self.on_bad_row in ON_BAD_ROW, f"one of {ON_BAD_ROW}"),
-            "workers": (self.workers >= 0, ">= 0"),
-            "prefetch": (self.prefetch >= 1, ">= 1"),
-            "video_fps": (self.video_fps is None or self.video_fps > 0, "> 0 or null"),
-            "max_frames": (self.max_frames is None or self.max_frames >= 1, ">= 1 or null"),
-            "frames_fps": (self.frames_fps > 0, "> 0"),
-        }, self)  # fmt: skip
+        _refuse(
+            "data",
+            {
+                "samples_per_rank": (self.samples_per_rank >= 1, ">= 1"),
+                "text_tokens": (1 <= lo <= hi, "[lo, hi] with 1 <= lo <= hi"),
+                "images_per_sample": (self.images_per_sample >= 0, ">= 0"),
+                "image_grids": (
+                    bool(self.image_grids) and all(min(g) >= 1 for g in self.image_grids),
+                    "a non-empty list of [t, h, w] with every entry >= 1",
+                ),
+                "pack_length": (
+                    (self.pack_length is None and not dataset)
+                    or (
+                        self.pack_length is not None
+                        and self.pack_length >= 8
+                        and (not dataset or self.pack_length % 8 == 0)
+                    ),
+                    "a multiple of 8 tokens (>= 8) with a dataset, else >= 8 or null",
+                ),
+                "text_only": (
+                    self.text_only is None
+                    or (0 <= self.text_only[1] <= self.text_only[0] and self.text_only[0] >= 1),
+                    "[period, count] with 0 <= count <= period, or null",
+                ),
+                "source": (
+                    not (self.path and self.source),
+                    "null when data.path is set (one of them)",
+                ),
+                "processor": (
+                    bool(self.processor) or not dataset,
+                    "a processor directory when data.path or data.source is set",
+                ),
+                "packing": (self.packing or not dataset, "true with a dataset (rows are packed)"),
+                "train_on": (self.train_on in TRAIN_ON, f"one of {TRAIN_ON}"),
+                "global_batch": (
+                    self.global_batch is None or self.global_batch >= 1,
+                    ">= 1 or null",
+                ),
+                "over_capacity": (self.over_capacity in OVER_CAPACITY, f"one of {OVER_CAPACITY}"),
+                "on_bad_row": (self.on_bad_row in ON_BAD_ROW, f"one of {ON_BAD_ROW}"),
+                "workers": (self.workers >= 0, ">= 0"),
+                "prefetch": (self.prefetch >= 1, ">= 1"),
+                "video_fps": (self.video_fps is None or self.video_fps > 0, "> 0 or null"),
+                "max_frames": (self.max_frames is None or self.max_frames >= 1, ">= 1 or null"),
+                "frames_fps": (self.frames_fps > 0, "> 0"),
+            },
+            self,
+        )
 
 
 TRAIN_ON = ("assistant", "last_assistant", "all")
@@ -183,8 +208,11 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 def _refuse(section: str, rules: dict[str, tuple[bool, str]], values: Any) -> None:
     """One ``ValueError`` naming every field of ``section`` whose rule fails."""
-    bad = [f"{section}.{name} must be {what}, got {getattr(values, name)!r}"
-           for name, (ok, what) in rules.items() if not ok]  # fmt: skip
+    bad = [
+        f"{section}.{name} must be {what}, got {getattr(values, name)!r}"
+        for name, (ok, what) in rules.items()
+        if not ok
+    ]
     if bad:
         raise ValueError("; ".join(bad))
 
@@ -197,30 +225,30 @@ class TrainRecipe:
     config's value. ``activation_checkpointing``: recompute decoder (and trainable vision)
     blocks in backward (:func:`moe_parallel.apply_activation_checkpointing`).
     ``checkpoint_dir``: save there every ``checkpoint_every`` steps (0: only after the last) and
-    resume from its newest intact checkpoint (:mod:`qwen35_trainer.checkpoint`: every file is
+    resume from its newest intact checkpoint (:mod:`qwen35_trainer.train.checkpoint`: every file is
     checked against the checkpoint's manifest before loading, sizes always and checksums unless
     ``verify_checkpoints`` is false; a damaged checkpoint is skipped with a warning).
     ``deterministic``: PyTorch's deterministic algorithms for the run, so the same recipe,
-    launch and machine repeat bit for bit (:mod:`qwen35_trainer.determinism`; ``false`` trades
+    launch and machine repeat bit for bit (:mod:`qwen35_trainer.train.determinism`; ``false`` trades
     that for speed on GPUs). ``on_nonfinite``: a step whose global loss or gradient norm is not
     finite is never applied;
     ``stop`` ends the run naming the step and its documents, ``skip`` drops the step and goes
     on, stopping after ``max_skipped_steps`` skipped steps in a row
-    (:mod:`qwen35_trainer.nonfinite`).
+    (:mod:`qwen35_trainer.train.nonfinite`).
     ``export_dir``: write the trained model there as a transformers checkpoint. ``dtype``:
     ``float32``, or ``bfloat16`` parameters and compute with fp32 master weights and fp32
     gradient reduction (FSDP2 mixed precision; loss, router and Gated DeltaNet statistics stay
     fp32). ``grad_accum_steps``: micro-batches per optimizer step (each rank's samples split
     evenly), normalised by the step's global valid-label count. ``schedule``: ``constant``,
     ``linear`` or ``cosine`` decay of the learning rate from ``lr`` after ``warmup_steps``
-    linear warmup steps down to ``lr_floor * lr`` (:mod:`qwen35_trainer.schedule`).
+    linear warmup steps down to ``lr_floor * lr`` (:mod:`qwen35_trainer.train.schedule`).
     ``keep_checkpoints``: keep only the newest that many (0: all). ``eval_every``: every that
     many steps (and after the last), the loss on ``eval_steps`` held-out global batches. ``async_checkpoint``: write checkpoints in the background (the state is copied to host
-    memory, the next save or the end of the run completes it; :class:`qwen35_trainer.checkpoint.
+    memory, the next save or the end of the run completes it; :class:`qwen35_trainer.train.checkpoint.
     AsyncCheckpointer`). ``prewarm``: before the first step, initialise cuBLAS, the communicators of every mesh and
     fla's kernels (:func:`setup_prewarm.prewarm`, best-effort; its report is logged).
     ``output_dir``: the run folder (resolved recipe, ``metrics.jsonl``, TensorBoard events,
-    ``loss.png``, per-rank logs; :mod:`qwen35_trainer.run_folder`); ``None`` writes none."""
+    ``loss.png``, per-rank logs; :mod:`qwen35_trainer.train.run_folder`); ``None`` writes none."""
 
     steps: int = 10
     optimizer: str = "adamw"
@@ -255,34 +283,47 @@ class TrainRecipe:
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas
-        _refuse("train", {
-            "steps": (self.steps >= 1, ">= 1"),
-            "lr": (self.lr >= 0, ">= 0"),
-            "weight_decay": (self.weight_decay >= 0, ">= 0"),
-            "betas": (0 <= b1 < 1 and 0 <= b2 < 1, "two values in [0, 1)"),
-            "eps": (self.eps > 0, "> 0"),
-            "grad_clip": (self.grad_clip is None or self.grad_clip > 0,
-                          "> 0, or null to measure the norm without clipping (0 would zero every "
-                          "gradient, a negative value reverse them)"),
-            "loss_chunk_size": (self.loss_chunk_size is None or self.loss_chunk_size >= 1,
-                                ">= 1 or null"),
-            "router_aux_loss_coef": (self.router_aux_loss_coef is None
-                                     or self.router_aux_loss_coef >= 0, ">= 0 or null"),
-            "log_every": (self.log_every >= 1, ">= 1"),
-            "dtype": (self.dtype in DTYPES, f"one of {DTYPES}"),
-            "grad_accum_steps": (self.grad_accum_steps >= 1, ">= 1"),
-            "schedule": (self.schedule in SCHEDULES, f"one of {SCHEDULES}"),
-            "warmup_steps": (0 <= self.warmup_steps <= self.steps, "in [0, train.steps]"),
-            "lr_floor": (0 <= self.lr_floor <= 1, "in [0, 1] (a fraction of train.lr)"),
-            "keep_checkpoints": (self.keep_checkpoints >= 0, ">= 0 (0 keeps every checkpoint)"),
-            "eval_every": (self.eval_every >= 0, ">= 0 (0: no evaluation)"),
-            "eval_steps": (self.eval_steps >= 1, ">= 1"),
-            "on_nonfinite": (self.on_nonfinite in ON_NONFINITE, f"one of {ON_NONFINITE}"),
-            "max_skipped_steps": (self.max_skipped_steps >= 1, ">= 1"),
-            "checkpoint_every": (self.checkpoint_every == 0 or (self.checkpoint_every > 0 and bool(
-                self.checkpoint_dir or self.output_dir)), ">= 0, and 0 when neither "
-                "train.checkpoint_dir nor train.output_dir says where checkpoints go"),
-        }, self)  # fmt: skip
+        _refuse(
+            "train",
+            {
+                "steps": (self.steps >= 1, ">= 1"),
+                "lr": (self.lr >= 0, ">= 0"),
+                "weight_decay": (self.weight_decay >= 0, ">= 0"),
+                "betas": (0 <= b1 < 1 and 0 <= b2 < 1, "two values in [0, 1)"),
+                "eps": (self.eps > 0, "> 0"),
+                "grad_clip": (
+                    self.grad_clip is None or self.grad_clip > 0,
+                    "> 0, or null to measure the norm without clipping (0 would zero every "
+                    "gradient, a negative value reverse them)",
+                ),
+                "loss_chunk_size": (
+                    self.loss_chunk_size is None or self.loss_chunk_size >= 1,
+                    ">= 1 or null",
+                ),
+                "router_aux_loss_coef": (
+                    self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
+                    ">= 0 or null",
+                ),
+                "log_every": (self.log_every >= 1, ">= 1"),
+                "dtype": (self.dtype in DTYPES, f"one of {DTYPES}"),
+                "grad_accum_steps": (self.grad_accum_steps >= 1, ">= 1"),
+                "schedule": (self.schedule in SCHEDULES, f"one of {SCHEDULES}"),
+                "warmup_steps": (0 <= self.warmup_steps <= self.steps, "in [0, train.steps]"),
+                "lr_floor": (0 <= self.lr_floor <= 1, "in [0, 1] (a fraction of train.lr)"),
+                "keep_checkpoints": (self.keep_checkpoints >= 0, ">= 0 (0 keeps every checkpoint)"),
+                "eval_every": (self.eval_every >= 0, ">= 0 (0: no evaluation)"),
+                "eval_steps": (self.eval_steps >= 1, ">= 1"),
+                "on_nonfinite": (self.on_nonfinite in ON_NONFINITE, f"one of {ON_NONFINITE}"),
+                "max_skipped_steps": (self.max_skipped_steps >= 1, ">= 1"),
+                "checkpoint_every": (
+                    self.checkpoint_every == 0
+                    or (self.checkpoint_every > 0 and bool(self.checkpoint_dir or self.output_dir)),
+                    ">= 0, and 0 when neither "
+                    "train.checkpoint_dir nor train.output_dir says where checkpoints go",
+                ),
+            },
+            self,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +343,24 @@ class ParallelRecipe:
     ep: int = 1
     tp: int = 1
     ep_first: str = "cp"
+
+    @property
+    def world(self) -> int:
+        """The ranks the layout needs: ``dp_replicate * dp * cp * tp``."""
+        return self.dp_replicate * self.dp * self.cp * self.tp
+
+    def filling(self, world: int, what: str) -> ParallelRecipe:
+        """This layout with ``dp`` chosen so it fills ``world`` ranks (CP, EP, TP and HSDP
+        replicas kept); ``ValueError`` naming ``what`` asked for it (``--nproc``,
+        ``--world-size``) when no data-parallel degree does."""
+        per_dp = self.dp_replicate * self.cp * self.tp
+        if world < 1 or world % per_dp:
+            raise ValueError(
+                f"{what} {world} is not a multiple of parallel.dp_replicate x cp x tp = "
+                f"{self.dp_replicate} x {self.cp} x {self.tp} = {per_dp} (kept fixed), so no "
+                "data-parallel degree fills it"
+            )
+        return dataclasses.replace(self, dp=world // per_dp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,8 +455,9 @@ def _section(name: str, cls: type, values: Any) -> Any:
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(values) - set(hints))
     if unknown:
-        raise ValueError(f"unknown recipe key(s) {[f'{name}.{k}' for k in unknown]}; "
-                         f"{name} has {sorted(hints)}")  # fmt: skip
+        raise ValueError(
+            f"unknown recipe key(s) {[f'{name}.{k}' for k in unknown]}; {name} has {sorted(hints)}"
+        )
     kwargs = {k: _coerce(f"{name}.{k}", hints[k], v) for k, v in values.items()}
     try:
         return cls(**kwargs)
@@ -417,14 +477,25 @@ def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
     return Recipe(**{name: _section(name, hints[name], data[name]) for name in data})
 
 
-BUILTIN_RECIPES = Path(__file__).parent / "recipes"
+def _builtin_recipes_dir() -> Path:
+    """The built-in recipes: inside an installed wheel ``qwen35_trainer/recipes`` (the
+    top-level ``recipes/`` folder, force-included by the build), else that folder of the
+    source tree (a workspace or editable install)."""
+    packaged = Path(__file__).parent / "recipes"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
+
+
+BUILTIN_RECIPES = _builtin_recipes_dir()
 
 
 def builtin_recipes() -> list[str]:
     """Names of the recipes shipped with the package (``qwen35-train NAME``); ``base.yaml``
     and the ``_*.yaml`` files, settings recipes share, are not recipes of their own."""
-    return sorted(p.stem for p in BUILTIN_RECIPES.glob("*.yaml")
-                  if p.stem != "base" and not p.stem.startswith("_"))  # fmt: skip
+    return sorted(
+        p.stem
+        for p in BUILTIN_RECIPES.glob("*.yaml")
+        if p.stem != "base" and not p.stem.startswith("_")
+    )
 
 
 def recipe_path(name_or_path: str | Path) -> Path:
@@ -442,14 +513,20 @@ def recipe_path(name_or_path: str | Path) -> Path:
     )
 
 
-def add_recipe_arguments(parser, *, recipe_help: str = "a YAML recipe file, or a built-in "
-                         "recipe's name") -> None:  # fmt: skip
+def add_recipe_arguments(
+    parser, *, recipe_help: str = "a YAML recipe file, or a built-in recipe's name"
+) -> None:
     """The ``RECIPE`` argument and the repeatable ``--set SECTION.KEY=VALUE`` overrides (read
     back as ``args.recipe`` / ``args.overrides``) of every ``qwen35-train`` subcommand."""
     parser.add_argument("recipe", help=recipe_help)
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="SECTION.KEY=VALUE",
-                        help="override one recipe value (repeatable), e.g. --set train.steps=5")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one recipe value (repeatable), e.g. --set train.steps=5",
+    )
 
 
 def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:

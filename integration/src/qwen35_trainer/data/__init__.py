@@ -7,11 +7,11 @@ model's processor), packed into rows, sharded over the data-parallel ranks, resu
 - :mod:`~qwen35_trainer.data.conversation`: conversation rows through the processor (masking);
 - :mod:`~qwen35_trainer.data.media`: images and videos read for the processor;
 - :mod:`~qwen35_trainer.data.loader`: the sharded, resumable, worker-parallel packed stream;
-- :mod:`~qwen35_trainer.data.packing`: documents into one packed row, the packed forward;
-- :mod:`~qwen35_trainer.data.feed`: each step's micro-batches for the loop, the loader's
+- :mod:`~qwen35_trainer.data.packing`: documents into one packed row (data only);
+- :mod:`~qwen35_trainer.data.feed`: each step's micro-batches (both streams), the loader's
   checkpointed state;
 - :mod:`~qwen35_trainer.data.demo`: the built-in demo dataset and its processor directory;
-- :mod:`~qwen35_trainer.data.command`: ``qwen35-train data make-demo | check``.
+- :mod:`~qwen35_trainer.data.check`: what ``qwen35-train data check`` reports.
 """
 
 from qwen35_trainer.data.batch import (

@@ -14,7 +14,15 @@ import dataclasses
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "MEDIA_FIELDS", "Batch", "DataError", "Sample", "collate"]
+__all__ = [
+    "IGNORE_INDEX",
+    "MEDIA_FIELDS",
+    "Batch",
+    "DataError",
+    "Sample",
+    "collate",
+    "present_media",
+]
 
 IGNORE_INDEX = -100
 
@@ -75,6 +83,12 @@ class Batch:
         return bool(self.pixel_values.numel() or self.pixel_values_videos.numel())
 
 
+def present_media(item: Sample | Batch) -> dict[str, torch.Tensor]:
+    """The media tensors ``item`` holds (:data:`MEDIA_FIELDS`), the empty ones left out: the
+    media keys of a transformers model call or of a packer document."""
+    return {key: getattr(item, key) for key in MEDIA_FIELDS if getattr(item, key).numel()}
+
+
 def media(samples: list[Sample]) -> dict[str, torch.Tensor]:
     """The samples' media tensors concatenated in order (empty tensors where there are none)."""
     out = {}
@@ -93,7 +107,12 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
     mask = torch.zeros(len(samples), width, dtype=torch.long)
     for b, s in enumerate(samples):
         n = len(s)
-        ids[b, :n], labels[b, :n], mm[b, :n], mask[b, :n] = (s.input_ids, s.labels,
-                                                              s.mm_token_type_ids, 1)  # fmt: skip
-    return Batch(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, labels=labels,
-                 **media(samples))  # fmt: skip
+        ids[b, :n], labels[b, :n], mm[b, :n], mask[b, :n] = (
+            s.input_ids,
+            s.labels,
+            s.mm_token_type_ids,
+            1,
+        )
+    return Batch(
+        input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, labels=labels, **media(samples)
+    )

@@ -77,16 +77,24 @@ def check_messages(row: Any, where: str) -> list[dict]:
         for p, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in PART_TYPES:
-                raise DataError(f"{where}: messages[{t}].content[{p}] has unknown type {kind!r}; "
-                                f"expected one of {PART_TYPES}")  # fmt: skip
+                raise DataError(
+                    f"{where}: messages[{t}].content[{p}] has unknown type {kind!r}; "
+                    f"expected one of {PART_TYPES}"
+                )
             key = "text" if kind == "text" else "path"
             value = part.get(key)
-            ok = isinstance(value, str) or (kind == "video" and isinstance(value, list)
-                                            and value and all(isinstance(v, str) for v in value))  # fmt: skip
+            ok = isinstance(value, str) or (
+                kind == "video"
+                and isinstance(value, list)
+                and value
+                and all(isinstance(v, str) for v in value)
+            )
             if not ok:
-                raise DataError(f"{where}: messages[{t}].content[{p}] ({kind}) needs '{key}' "
-                                f"({'a path or a list of frame paths' if kind == 'video' else 'a string'}), "
-                                f"got {value!r:.80}")  # fmt: skip
+                raise DataError(
+                    f"{where}: messages[{t}].content[{p}] ({kind}) needs '{key}' "
+                    f"({'a path or a list of frame paths' if kind == 'video' else 'a string'}), "
+                    f"got {value!r:.80}"
+                )
     return messages
 
 
@@ -103,18 +111,28 @@ def _check_extras(turn: dict, where: str) -> None:
     for c, call in enumerate(calls if isinstance(calls, list) else [None]):
         function = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise DataError(f"{where}.tool_calls[{c}] must be {{'function': {{'name': str, "
-                            f"'arguments': ...}}}}, got {call!r:.80}")  # fmt: skip
+            raise DataError(
+                f"{where}.tool_calls[{c}] must be {{'function': {{'name': str, "
+                f"'arguments': ...}}}}, got {call!r:.80}"
+            )
 
 
 class ConversationEncoder:
     """Encodes rows with the processor in ``processor_dir`` (loaded lazily, so the encoder can be
     sent to data-loader workers). ``config``: the model config (for M-RoPE positions)."""
 
-    def __init__(self, processor_dir: str, ids: TokenIds, config: Any, *, train_on: str = "assistant",
-                 video_fps: float | None = None, max_frames: int | None = None,
-                 frames_fps: float = 2.0,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        processor_dir: str,
+        ids: TokenIds,
+        config: Any,
+        *,
+        train_on: str = "assistant",
+        video_fps: float | None = None,
+        max_frames: int | None = None,
+        frames_fps: float = 2.0,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         self.processor_dir = processor_dir
         self.ids = ids
         self.config = config
@@ -129,11 +147,22 @@ class ConversationEncoder:
     def from_recipe(cls, data: Any, model: Any, config: Any, processor_dir: str):
         """The encoder a recipe's ``data`` and ``model`` sections describe (``processor_dir``:
         ``data.processor`` resolved)."""
-        ids = TokenIds(model.image_token_id, model.video_token_id, model.vision_start_token_id,
-                       model.vision_end_token_id)  # fmt: skip
-        return cls(processor_dir, ids, config, train_on=data.train_on, video_fps=data.video_fps,
-                   max_frames=data.max_frames, frames_fps=data.frames_fps,
-                   chat_template_kwargs=data.chat_template_kwargs)  # fmt: skip
+        ids = TokenIds(
+            model.image_token_id,
+            model.video_token_id,
+            model.vision_start_token_id,
+            model.vision_end_token_id,
+        )
+        return cls(
+            processor_dir,
+            ids,
+            config,
+            train_on=data.train_on,
+            video_fps=data.video_fps,
+            max_frames=data.max_frames,
+            frames_fps=data.frames_fps,
+            chat_template_kwargs=data.chat_template_kwargs,
+        )
 
     @property
     def processor(self):
@@ -150,9 +179,11 @@ class ConversationEncoder:
         if self._shape is not None:
             return
         try:
-            self._shape = template_shape(self.processor.apply_chat_template,
-                                         self.template_kwargs,
-                                         f"data.processor {self.processor_dir}")  # fmt: skip
+            self._shape = template_shape(
+                self.processor.apply_chat_template,
+                self.template_kwargs,
+                f"data.processor {self.processor_dir}",
+            )
         except ValueError:
             if self.train_on != "all":
                 raise
@@ -170,31 +201,43 @@ class ConversationEncoder:
         if videos:
             kwargs = {"videos": videos, "video_metadata": metadata, "do_sample_frames": False}
         try:
-            out = processor(text=pieces, images=images or None, padding=False, return_tensors=None,
-                            **kwargs)  # fmt: skip
+            out = processor(
+                text=pieces, images=images or None, padding=False, return_tensors=None, **kwargs
+            )
         except (ValueError, IndexError) as error:
             raise DataError(f"{where}: the processor refused the row: {error}") from error
         ids, labels, mm = [], [], []
-        for piece_ids, piece_mm, train in zip(out["input_ids"], out["mm_token_type_ids"], trained,
-                                              strict=True):  # fmt: skip
+        for piece_ids, piece_mm, train in zip(
+            out["input_ids"], out["mm_token_type_ids"], trained, strict=True
+        ):
             piece_ids, piece_mm = torch.tensor(piece_ids), torch.tensor(piece_mm)
             take = piece_mm == 0 if train else torch.zeros_like(piece_mm, dtype=torch.bool)
             ids.append(piece_ids)
             mm.append(piece_mm)
             labels.append(piece_ids.masked_fill(~take, IGNORE_INDEX))
-        sample = Sample(input_ids=torch.cat(ids).long(), labels=torch.cat(labels).long(),
-                        mm_token_type_ids=torch.cat(mm).long(), source=where)  # fmt: skip
+        sample = Sample(
+            input_ids=torch.cat(ids).long(),
+            labels=torch.cat(labels).long(),
+            mm_token_type_ids=torch.cat(mm).long(),
+            source=where,
+        )
         if (sample.labels[1:] == IGNORE_INDEX).all():
-            raise DataError(f"{where}: no trainable token (data.train_on={self.train_on!r}: the "
-                            "row needs an assistant turn with content)")  # fmt: skip
+            raise DataError(
+                f"{where}: no trainable token (data.train_on={self.train_on!r}: the "
+                "row needs an assistant turn with content)"
+            )
         for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
             if out.get(key) is not None:
                 setattr(sample, key, torch.as_tensor(out[key]))
         from cp_varlen_attn import mrope_positions
 
-        sample.position_ids = mrope_positions(self.config, sample.input_ids,
-                                              sample.mm_token_type_ids, sample.image_grid_thw,
-                                              sample.video_grid_thw)  # fmt: skip
+        sample.position_ids = mrope_positions(
+            self.config,
+            sample.input_ids,
+            sample.mm_token_type_ids,
+            sample.image_grid_thw,
+            sample.video_grid_thw,
+        )
         return sample
 
     def _pieces(self, messages: list[dict], tools: Any, where: str) -> tuple[list[str], list[bool]]:
@@ -209,8 +252,9 @@ class ConversationEncoder:
         if self._shape is False:  # train_on: all, a template whose turns cannot be located
             return [whole], [True]
         every = self.train_on == "all"  # cut at the same turns, so the ids do not depend on it
-        spans = assistant_spans(whole, messages, self._shape,
-                                "assistant" if every else self.train_on, where)  # fmt: skip
+        spans = assistant_spans(
+            whole, messages, self._shape, "assistant" if every else self.train_on, where
+        )
         pieces, trained, at = [], [], 0
         for start, end in spans:
             if start > at:
@@ -253,15 +297,26 @@ def load_processor(folder: str, ids: TokenIds, config: Any):
     from transformers import AutoProcessor
 
     if not Path(folder).is_dir():
-        raise DataError(f"data.processor: {folder} is not a directory (a processor saved by "
-                        "transformers, e.g. a Qwen3.5 checkpoint directory)")  # fmt: skip
+        raise DataError(
+            f"data.processor: {folder} is not a directory (a processor saved by "
+            "transformers, e.g. a Qwen3.5 checkpoint directory)"
+        )
     processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
     tokenizer = processor.tokenizer
-    got = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
-        ("image", "<|image_pad|>"), ("video", "<|video_pad|>"),
-        ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"))}  # fmt: skip
-    bad = [f"{name} token id {got[name]} (model.{name}_token_id is {getattr(ids, name)})"
-           for name in got if got[name] != getattr(ids, name)]  # fmt: skip
+    got = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in (
+            ("image", "<|image_pad|>"),
+            ("video", "<|video_pad|>"),
+            ("vision_start", "<|vision_start|>"),
+            ("vision_end", "<|vision_end|>"),
+        )
+    }
+    bad = [
+        f"{name} token id {got[name]} (model.{name}_token_id is {getattr(ids, name)})"
+        for name in got
+        if got[name] != getattr(ids, name)
+    ]
     vocab = getattr(getattr(config, "text_config", config), "vocab_size", None)
     if vocab is not None and len(tokenizer) > vocab:
         bad.append(f"{len(tokenizer)} tokens, more than model.text.vocab_size={vocab}")

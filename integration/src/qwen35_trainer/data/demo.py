@@ -41,16 +41,26 @@ __all__ = [
 
 DEMO_VERSION = 1
 IMAGE_SIZE = 16  # pixels: 8×8 patches of 2, 16 merged tokens
-COLOURS = {"red": (230, 40, 40), "green": (40, 200, 60), "blue": (60, 90, 240),
-           "yellow": (240, 220, 40)}  # fmt: skip
+COLOURS = {
+    "red": (230, 40, 40),
+    "green": (40, 200, 60),
+    "blue": (60, 90, 240),
+    "yellow": (240, 220, 40),
+}
 SHAPES = ("circle", "square", "triangle")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 NUMBERS = ("one", "two", "three")
 TEXT_VOCAB = 120  # learned tokens: ids 0 .. 119; the specials follow
 # The Qwen3.5 special tokens, in id order from TEXT_VOCAB (image 120, video 121, vision start 122,
 # vision end 123: the tiny recipe's model.*_token_id).
-SPECIAL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|im_start|>", "<|im_end|>")  # fmt: skip
+SPECIAL_TOKENS = (
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|im_start|>",
+    "<|im_end|>",
+)
 PAD_TOKEN = "<|endoftext|>"  # id 0
 
 # Renders messages as Qwen3.5 does (<|im_start|>role\n ... <|im_end|>\n), each image or video part
@@ -83,8 +93,9 @@ def _draw_shape(shape: str, colour: tuple[int, int, int], rng: random.Random):
     elif shape == "square":
         draw.rectangle(box, fill=colour)
     else:
-        draw.polygon([(x + size // 2, y), (x, y + size - 1), (x + size - 1, y + size - 1)],
-                     fill=colour)  # fmt: skip
+        draw.polygon(
+            [(x + size // 2, y), (x, y + size - 1), (x + size - 1, y + size - 1)], fill=colour
+        )
     return image
 
 
@@ -100,8 +111,9 @@ def _draw_dots(count: int, rng: random.Random):
     return image
 
 
-def _motion_frames(direction: str, colour: tuple[int, int, int], rng: random.Random,
-                   frames: int = 4) -> list:  # fmt: skip
+def _motion_frames(
+    direction: str, colour: tuple[int, int, int], rng: random.Random, frames: int = 4
+) -> list:
     from PIL import Image, ImageDraw
 
     dx, dy = DIRECTIONS[direction]
@@ -153,14 +165,20 @@ def _answer(text: str) -> dict:
 
 def _row(root: Path, index: int, rng: random.Random) -> dict:
     """One conversation; its media written under ``root``."""
-    kind = rng.choices(["colour", "shape", "caption", "count", "two_turns", "video", "text"],
-                       weights=[20, 20, 10, 10, 10, 20, 10])[0]  # fmt: skip
+    kind = rng.choices(
+        ["colour", "shape", "caption", "count", "two_turns", "video", "text"],
+        weights=[20, 20, 10, 10, 10, 20, 10],
+    )[0]
     name = f"{index:06d}"
     if kind == "text":
         word = rng.choice(list(DIRECTIONS))
         opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}
-        return {"messages": [{"role": "user", "content": f"what is the opposite of {word}?"},
-                             _answer(opposite[word])]}  # fmt: skip
+        return {
+            "messages": [
+                {"role": "user", "content": f"what is the opposite of {word}?"},
+                _answer(opposite[word]),
+            ]
+        }
     if kind == "video":
         direction = rng.choice(list(DIRECTIONS))
         colour = rng.choice(list(COLOURS))
@@ -175,23 +193,34 @@ def _row(root: Path, index: int, rng: random.Random) -> dict:
         if index % 2 and _write_mp4(frames, root / "videos" / f"{name}.mp4"):
             video = {"type": "video", "path": f"videos/{name}.mp4"}
         question = rng.choice(["which way does the square move?", "where does it go?"])
-        return {"messages": [_user([video, {"type": "text", "text": question}]),
-                             _answer(direction)]}  # fmt: skip
+        return {
+            "messages": [_user([video, {"type": "text", "text": question}]), _answer(direction)]
+        }
     path = f"images/{name}.png"
     (root / "images").mkdir(parents=True, exist_ok=True)
     if kind == "count":
         count = rng.randint(1, 3)
         _draw_dots(count, rng).save(root / path)
-        return {"messages": [_user([{"type": "image", "path": path},
-                                    {"type": "text", "text": "how many dots?"}]),
-                             _answer(NUMBERS[count - 1])]}  # fmt: skip
+        return {
+            "messages": [
+                _user(
+                    [{"type": "image", "path": path}, {"type": "text", "text": "how many dots?"}]
+                ),
+                _answer(NUMBERS[count - 1]),
+            ]
+        }
     colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
     _draw_shape(shape, COLOURS[colour], rng).save(root / path)
     image = {"type": "image", "path": path}
     if kind == "two_turns":
-        return {"messages": [_user([image, {"type": "text", "text": "what colour is it?"}]),
-                             _answer(colour), _user([{"type": "text", "text": "and the shape?"}]),
-                             _answer(shape)]}  # fmt: skip
+        return {
+            "messages": [
+                _user([image, {"type": "text", "text": "what colour is it?"}]),
+                _answer(colour),
+                _user([{"type": "text", "text": "and the shape?"}]),
+                _answer(shape),
+            ]
+        }
     question, answer = {
         "colour": ("what colour is the shape?", colour),
         "shape": ("what shape is it?", shape),
@@ -225,8 +254,12 @@ def _write_processor(folder: Path, rows: list[dict]) -> None:
     tokenizer.decoder = decoders.Metaspace()
     corpus = _corpus(rows)
     alphabet = sorted({c for text in corpus for c in text} | {"▁"})
-    trainer = trainers.BpeTrainer(vocab_size=TEXT_VOCAB, special_tokens=[PAD_TOKEN],
-                                  initial_alphabet=alphabet, show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=TEXT_VOCAB,
+        special_tokens=[PAD_TOKEN],
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     filler = [f"<|reserved_{k}|>" for k in range(TEXT_VOCAB - tokenizer.get_vocab_size())]
     tokenizer.add_special_tokens(filler + list(SPECIAL_TOKENS))
@@ -235,26 +268,52 @@ def _write_processor(folder: Path, rows: list[dict]) -> None:
         raise RuntimeError(f"demo tokenizer: special token ids {ids} are not the recipe's")
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    _json(folder / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD_TOKEN,
-        "eos_token": "<|im_end|>", "model_max_length": 131072,
-        "extra_special_tokens": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-                                 "vision_start_token": "<|vision_start|>",
-                                 "vision_end_token": "<|vision_end|>"},
-    })  # fmt: skip
-    sizes = {"patch_size": 2, "temporal_patch_size": 2, "merge_size": 2,
-             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # fmt: skip
+    _json(
+        folder / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "pad_token": PAD_TOKEN,
+            "eos_token": "<|im_end|>",
+            "model_max_length": 131072,
+            "extra_special_tokens": {
+                "image_token": "<|image_pad|>",
+                "video_token": "<|video_pad|>",
+                "vision_start_token": "<|vision_start|>",
+                "vision_end_token": "<|vision_end|>",
+            },
+        },
+    )
+    sizes = {
+        "patch_size": 2,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
     pixels = IMAGE_SIZE * IMAGE_SIZE
-    _json(folder / "preprocessor_config.json", {
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
-        "size": {"shortest_edge": pixels // 4, "longest_edge": pixels}, **sizes,
-    })  # fmt: skip
-    _json(folder / "video_preprocessor_config.json", {
-        "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
-        "size": {"shortest_edge": pixels // 4, "longest_edge": pixels * 8}, "fps": 2,
-        "min_frames": 2, "max_frames": 8, "do_sample_frames": True, "cap_pixels_per_frame": True,
-        **sizes,
-    })  # fmt: skip
+    _json(
+        folder / "preprocessor_config.json",
+        {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen3VLProcessor",
+            "size": {"shortest_edge": pixels // 4, "longest_edge": pixels},
+            **sizes,
+        },
+    )
+    _json(
+        folder / "video_preprocessor_config.json",
+        {
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "processor_class": "Qwen3VLProcessor",
+            "size": {"shortest_edge": pixels // 4, "longest_edge": pixels * 8},
+            "fps": 2,
+            "min_frames": 2,
+            "max_frames": 8,
+            "do_sample_frames": True,
+            "cap_pixels_per_frame": True,
+            **sizes,
+        },
+    )
     _json(folder / "processor_config.json", {"processor_class": "Qwen3VLProcessor"})
 
 
@@ -262,8 +321,9 @@ def _json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
 
 
-def make_demo(folder: str | Path, *, train_rows: int = 800, heldout_rows: int = 128,
-              seed: int = 0) -> Path:  # fmt: skip
+def make_demo(
+    folder: str | Path, *, train_rows: int = 800, heldout_rows: int = 128, seed: int = 0
+) -> Path:
     """Write the demo dataset under ``folder`` (created; existing files are overwritten) and
     return it. ``train_rows`` / ``heldout_rows``: conversations per split."""
     root = Path(folder)
@@ -276,8 +336,15 @@ def make_demo(folder: str | Path, *, train_rows: int = 800, heldout_rows: int = 
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     _write_processor(root / "processor", train + heldout)
-    _json(root / "demo.json", {"version": DEMO_VERSION, "train_rows": train_rows,
-                               "heldout_rows": heldout_rows, "seed": seed})  # fmt: skip
+    _json(
+        root / "demo.json",
+        {
+            "version": DEMO_VERSION,
+            "train_rows": train_rows,
+            "heldout_rows": heldout_rows,
+            "seed": seed,
+        },
+    )
     return root
 
 

@@ -94,8 +94,14 @@ class RankDocuments(IterableDataset):
     """The documents of ``shards`` (of ``count``) from their ``cursors`` on, in position order,
     as ``(shard, j, Sample or DataError)`` (``j``: the document's index within its shard)."""
 
-    def __init__(self, spec: dict, encoder: ConversationEncoder, shards: list[int], count: int,
-                 cursors: dict[int, int]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: dict,
+        encoder: ConversationEncoder,
+        shards: list[int],
+        count: int,
+        cursors: dict[int, int],
+    ) -> None:
         self.spec, self.encoder = spec, encoder
         self.shards, self.count, self.cursors = shards, count, cursors
 
@@ -192,13 +198,16 @@ def truncate(sample: Sample, capacity: int, config: Any) -> Sample | None:
         return None
     images, videos = sample.image_grid_thw[:kept_images], sample.video_grid_thw[:kept_videos]
     out = Sample(
-        input_ids=sample.input_ids[:cut], labels=labels, mm_token_type_ids=mm[:cut],
-        pixel_values=sample.pixel_values[: int(images.prod(-1).sum())], image_grid_thw=images,
+        input_ids=sample.input_ids[:cut],
+        labels=labels,
+        mm_token_type_ids=mm[:cut],
+        pixel_values=sample.pixel_values[: int(images.prod(-1).sum())],
+        image_grid_thw=images,
         pixel_values_videos=sample.pixel_values_videos[: int(videos.prod(-1).sum())],
-        video_grid_thw=videos, source=sample.source,
-    )  # fmt: skip
-    out.position_ids = mrope_positions(config, out.input_ids, out.mm_token_type_ids, images,
-                                       videos)  # fmt: skip
+        video_grid_thw=videos,
+        source=sample.source,
+    )
+    out.position_ids = mrope_positions(config, out.input_ids, out.mm_token_type_ids, images, videos)
     return out
 
 
@@ -236,19 +245,31 @@ class DataStream:
     steps after are empty); ``max_skipped``: bad rows one step may skip before it fails
     (``None``: no limit)."""
 
-    def __init__(self, recipe: Any, config: Any, layout: Any, device: torch.device, *,
-                 eval: bool = False, limit: int | None = None,
-                 max_skipped: int | None = MAX_SKIPPED_PER_STEP) -> None:  # fmt: skip
+    def __init__(
+        self,
+        recipe: Any,
+        config: Any,
+        layout: Any,
+        device: torch.device,
+        *,
+        eval: bool = False,
+        limit: int | None = None,
+        max_skipped: int | None = MAX_SKIPPED_PER_STEP,
+    ) -> None:
         data = recipe.data
         self.data, self.layout, self.device = data, layout, device
-        self.encoder = ConversationEncoder.from_recipe(data, recipe.model, config,
-                                                       resolve(data.processor))  # fmt: skip
+        self.encoder = ConversationEncoder.from_recipe(
+            data, recipe.model, config, resolve(data.processor)
+        )
         self.encoder.check_template()  # the same verdict on every rank, before any collective
-        self.spec = {"path": resolve(data.eval_path if eval else data.path),
-                     "source": None if eval else data.source,
-                     "split": data.eval_split if eval else data.split,
-                     "shuffle": data.shuffle and not eval, "seed": data.seed,
-                     "limit": limit}  # fmt: skip
+        self.spec = {
+            "path": resolve(data.eval_path if eval else data.path),
+            "source": None if eval else data.source,
+            "split": data.eval_split if eval else data.split,
+            "shuffle": data.shuffle and not eval,
+            "seed": data.seed,
+            "limit": limit,
+        }
         self.max_skipped = max_skipped
         self.skipped: list[str] = []  # the bad rows skipped so far (data.on_bad_row: skip)
         dp = layout.data_size
@@ -262,33 +283,44 @@ class DataStream:
     @property
     def cursors(self) -> dict[int, int]:
         """Per owned shard: the index of its first document not yet in a row."""
-        return {s: self._pending[s][0][0] if self._pending[s] else self.next_j[s]
-                for s in self.shards}  # fmt: skip
+        return {
+            s: self._pending[s][0][0] if self._pending[s] else self.next_j[s] for s in self.shards
+        }
 
     def state_dict(self) -> dict:
         return {"shards": self.shard_count, "cursors": self.cursors}
 
     def load_state_dict(self, state: dict) -> None:
         if state["shards"] != self.shard_count:
-            raise ValueError(f"the data state has {state['shards']} shards (data.global_batch "
-                             f"then), this run {self.shard_count}: resume with the same "
-                             "data.global_batch")  # fmt: skip
+            raise ValueError(
+                f"the data state has {state['shards']} shards (data.global_batch "
+                f"then), this run {self.shard_count}: resume with the same "
+                "data.global_batch"
+            )
         self.next_j = {s: int(state["cursors"][s]) for s in self.shards}
         self._pending = {s: collections.deque() for s in self.shards}
         self._iterator = None
 
     def _read(self) -> tuple[int, int, Sample | DataError]:
         if self._iterator is None:
-            docs = RankDocuments(self.spec, self.encoder, self.shards, self.shard_count,
-                                 dict(self.next_j))  # fmt: skip
+            docs = RankDocuments(
+                self.spec, self.encoder, self.shards, self.shard_count, dict(self.next_j)
+            )
             workers = self.data.workers
             if workers and multiprocessing.current_process().daemon:
-                logger.warning("data.workers=%d: this process is a daemon (it may not start "
-                               "processes), so the documents are read in it", workers)  # fmt: skip
+                logger.warning(
+                    "data.workers=%d: this process is a daemon (it may not start "
+                    "processes), so the documents are read in it",
+                    workers,
+                )
                 workers = 0
-            loader = DataLoader(docs, batch_size=None, num_workers=workers,
-                                prefetch_factor=self.data.prefetch if workers else None,
-                                collate_fn=_identity)  # fmt: skip
+            loader = DataLoader(
+                docs,
+                batch_size=None,
+                num_workers=workers,
+                prefetch_factor=self.data.prefetch if workers else None,
+                collate_fn=_identity,
+            )
             self._iterator = iter(loader)
         return next(self._iterator)
 
@@ -322,8 +354,16 @@ class DataStream:
                 else:
                     open_.discard(s)
         tokens = sum(len(d) for row in rows.values() for d in row)
-        totals = self._agree(error, [tokens, capacity * len(self.shards), counts["truncated"],
-                                     counts["dropped"], counts["skipped"]])  # fmt: skip
+        totals = self._agree(
+            error,
+            [
+                tokens,
+                capacity * len(self.shards),
+                counts["truncated"],
+                counts["dropped"],
+                counts["skipped"],
+            ],
+        )
         return StepData([rows[s] for s in self.shards], *totals)
 
     def _take(self, read: tuple[int, int, Any], counts: dict[str, int]) -> str | None:
@@ -347,8 +387,13 @@ class DataStream:
             if self.data.over_capacity == "truncate":
                 kept = truncate(item, capacity, self.encoder.config)
             what = "truncated" if kept is not None else "dropped"
-            logger.warning("%s: %d tokens, more than data.pack_length=%d: %s", item.source,
-                           len(item), capacity, what)  # fmt: skip
+            logger.warning(
+                "%s: %d tokens, more than data.pack_length=%d: %s",
+                item.source,
+                len(item),
+                capacity,
+                what,
+            )
             counts[what] += 1
             if kept is None:
                 return None

@@ -44,8 +44,9 @@ def _metadata(total: int, fps: float, sample: Callable, video_fps: float | None)
     return meta
 
 
-def frame_list_video(base: Path, paths: list[str], fps: float, sample: Callable,
-                     video_fps: float | None, where: str):  # fmt: skip
+def frame_list_video(
+    base: Path, paths: list[str], fps: float, sample: Callable, video_fps: float | None, where: str
+):
     """``(frames [T, H, W, 3] uint8, metadata)`` of a video given as frame images at ``fps``."""
     meta = _metadata(len(paths), fps, sample, video_fps)
     frames = [np.asarray(open_image(base, paths[i], where)) for i in meta.frames_indices]
@@ -72,9 +73,11 @@ def video_file(base: Path, path: str, sample: Callable, video_fps: float | None,
             total = stream.frames  # 0 where the container does not say
             meta = _metadata(total, fps, sample, video_fps) if total else None
             keep = set(meta.frames_indices) if meta else None
-            decoded = {k: frame.to_ndarray(format="rgb24")
-                       for k, frame in enumerate(container.decode(stream))
-                       if keep is None or k in keep}  # fmt: skip
+            decoded = {
+                k: frame.to_ndarray(format="rgb24")
+                for k, frame in enumerate(container.decode(stream))
+                if keep is None or k in keep
+            }
     except (av.FFmpegError, IndexError) as error:
         raise _error(where, full, f"unreadable video ({error}):") from error
     if not decoded:

@@ -22,6 +22,7 @@ from qwen35_trainer.recipe import DataRecipe, ModelRecipe
 __all__ = [
     "HELD_OUT_INDEX",
     "global_batch",
+    "max_sample_tokens",
     "rank_batch",
     "rank_samples",
     "sample",
@@ -31,8 +32,12 @@ __all__ = [
 
 def text_vocab(model: ModelRecipe) -> int:
     """Ids below the first special (vision) token id are text."""
-    return min(model.image_token_id, model.video_token_id, model.vision_start_token_id,
-               model.vision_end_token_id)  # fmt: skip
+    return min(
+        model.image_token_id,
+        model.video_token_id,
+        model.vision_start_token_id,
+        model.vision_end_token_id,
+    )
 
 
 def _text(n: int, vocab: int, g: torch.Generator) -> torch.Tensor:
@@ -45,8 +50,11 @@ def sample(model: ModelRecipe, data: DataRecipe, index: int) -> Sample:
     """Sample ``index`` of the synthetic stream (deterministic in ``data.seed`` and ``index``)."""
     vision = model.vision
     merge = vision.get("spatial_merge_size", 2)
-    row = (vision.get("in_channels", 3) * vision.get("temporal_patch_size", 2)
-           * vision.get("patch_size", 16) ** 2)  # fmt: skip
+    row = (
+        vision.get("in_channels", 3)
+        * vision.get("temporal_patch_size", 2)
+        * vision.get("patch_size", 16) ** 2
+    )
     vocab = text_vocab(model)
     g = torch.Generator().manual_seed(data.seed * 1_000_003 + index)
     lo, hi = data.text_tokens
@@ -81,14 +89,23 @@ def sample(model: ModelRecipe, data: DataRecipe, index: int) -> Sample:
     )
 
 
+def max_sample_tokens(model: ModelRecipe, data: DataRecipe) -> int:
+    """The most tokens a sample of :func:`sample` can have: the longest text span before each
+    image and after the last, each image of the largest grid with its vision start / end."""
+    merge = model.vision.get("spatial_merge_size", 2) ** 2
+    image = max(t * h * w for t, h, w in data.image_grids) // merge + 2
+    return (data.images_per_sample + 1) * data.text_tokens[1] + data.images_per_sample * image
+
+
 # Held-out samples: the stream from this index on. torch's generator seeds are 32-bit (seeds equal
 # modulo 2**32 give the same sample), so this is as far from the training samples as the seed
 # space allows: training would need 2**31 samples to reach them.
 HELD_OUT_INDEX = 1 << 31
 
 
-def rank_samples(model: ModelRecipe, data: DataRecipe, step: int, rank: int, dp: int, *,
-                 offset: int = 0) -> list[Sample]:  # fmt: skip
+def rank_samples(
+    model: ModelRecipe, data: DataRecipe, step: int, rank: int, dp: int, *, offset: int = 0
+) -> list[Sample]:
     """Data-parallel group ``rank``'s (of ``dp``) ``data.samples_per_rank`` samples of step
     ``step`` (of the held-out stream with ``offset=HELD_OUT_INDEX``)."""
     n = data.samples_per_rank
@@ -96,14 +113,16 @@ def rank_samples(model: ModelRecipe, data: DataRecipe, step: int, rank: int, dp:
     return [sample(model, data, first + j) for j in range(n)]
 
 
-def rank_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int, rank: int,
-               dp: int) -> Batch:  # fmt: skip
+def rank_batch(
+    model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int, rank: int, dp: int
+) -> Batch:
     """Rank ``rank``'s rows of step ``step``, right-padded."""
     return collate(rank_samples(model, data, step, rank, dp), pad_token_id)
 
 
-def global_batch(model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int,
-                 dp: int, *, offset: int = 0) -> Batch:  # fmt: skip
+def global_batch(
+    model: ModelRecipe, data: DataRecipe, pad_token_id: int, step: int, dp: int, *, offset: int = 0
+) -> Batch:
     """All ``dp`` ranks' rows of step ``step`` as one batch (the single-process reference)."""
     n = data.samples_per_rank
     samples = [sample(model, data, offset + step * dp * n + j) for j in range(dp * n)]

@@ -115,8 +115,9 @@ class StateDictAdapter:
     def _direct(self, name, shape, problems) -> RowReader | None:
         self.used.add(name)
         if self.files.shape(name) != tuple(shape):
-            problems.append(f"{name}: shape {list(self.files.shape(name))} on disk, "
-                            f"{list(shape)} expected")  # fmt: skip
+            problems.append(
+                f"{name}: shape {list(self.files.shape(name))} on disk, {list(shape)} expected"
+            )
             return None
         return lambda lo, hi: self.files.rows(name, lo, hi)
 
@@ -126,20 +127,26 @@ class StateDictAdapter:
         keys = [[f"{base}.{e}.{part}.weight" for part in parts] for e in range(experts)]
         absent = [k for ks in keys for k in ks if k not in self.files.where]
         if absent:
-            problems.append(f"{name}: missing (neither stacked nor per expert; e.g. {absent[0]} "
-                            f"absent, {len(absent)} per-expert tensors in all)")  # fmt: skip
+            problems.append(
+                f"{name}: missing (neither stacked nor per expert; e.g. {absent[0]} "
+                f"absent, {len(absent)} per-expert tensors in all)"
+            )
             return None
         part_shape = (rows // len(parts), cols)
         wrong = [k for ks in keys for k in ks if self.files.shape(k) != part_shape]
         self.used.update(k for ks in keys for k in ks)
         if wrong:
-            problems.append(f"{name}: per-expert tensors of shape {list(part_shape)} expected, "
-                            f"{wrong[0]} is {list(self.files.shape(wrong[0]))}")  # fmt: skip
+            problems.append(
+                f"{name}: per-expert tensors of shape {list(part_shape)} expected, "
+                f"{wrong[0]} is {list(self.files.shape(wrong[0]))}"
+            )
             return None
 
         def read(lo: int, hi: int) -> torch.Tensor:
-            stacked = [torch.cat([self.files.rows(k, 0, part_shape[0]) for k in keys[e]])
-                       for e in range(lo, hi)]  # fmt: skip
+            stacked = [
+                torch.cat([self.files.rows(k, 0, part_shape[0]) for k in keys[e]])
+                for e in range(lo, hi)
+            ]
             return torch.stack(stacked) if stacked else torch.empty((0, rows, cols))
 
         return read

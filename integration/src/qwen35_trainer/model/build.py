@@ -25,35 +25,13 @@ from torch.distributed.tensor import DTensor
 from moe_parallel import MoE, swap_moe_blocks
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.init import init_rows, init_rule
+from qwen35_trainer.model.load import load_hf_weights
+from qwen35_trainer.model.packed import enable_packing
+from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index, read_local
 from qwen35_trainer.recipe import ModelRecipe
 
-__all__ = [
-    "build_meta_model",
-    "build_model",
-    "canonical_name",
-    "init_parameters",
-    "materialize",
-    "moe_blocks",
-    "named_parameters",
-]
-
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name in the transformers state dict (wrapper prefixes removed)."""
-    for wrapper in _WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
-
-
-def named_parameters(model: nn.Module):
-    """``(canonical name, module, attribute, parameter)`` for every parameter, in module
-    order."""
-    for path, module in model.named_modules():
-        for attr, param in module.named_parameters(recurse=False):
-            yield canonical_name(f"{path}.{attr}" if path else attr), module, attr, param
+__all__ = ["build_meta_model", "build_model", "init_parameters", "materialize", "moe_blocks"]
 
 
 def moe_blocks(model: nn.Module) -> list[MoE]:
@@ -61,14 +39,18 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def build_meta_model(spec: ModelRecipe) -> nn.Module:
-    """The recipe's model (MoE swapped) on the meta device: shapes only, no storage."""
+def build_meta_model(spec: ModelRecipe, *, packing: bool = False) -> nn.Module:
+    """The recipe's model (MoE swapped; with ``packing`` adapted to packed rows,
+    :func:`qwen35_trainer.model.packed.enable_packing`) on the meta device: shapes only, no
+    storage."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     config = build_config(spec)
     with torch.device("meta"):
         model = Qwen3_5MoeForConditionalGeneration(config)
         swap_moe_blocks(model, expert_backend=spec.expert_backend)
+    if packing:
+        enable_packing(model)
     return model
 
 
@@ -103,8 +85,9 @@ def _rebuild_buffers(model: nn.Module) -> None:
         model._init_weights(module)  # transformers' rule: inv_freq from the rope config
 
 
-def materialize(model: nn.Module, device: torch.device | str, *, seed: int = 0,
-                weights: str | None = None) -> nn.Module:  # fmt: skip
+def materialize(
+    model: nn.Module, device: torch.device | str, *, seed: int = 0, weights: str | None = None
+) -> nn.Module:
     """Allocate the meta ``model``'s local shards on ``device`` and fill them (module
     docstring); in place, returns ``model``."""
     model.to_empty(device=device)
@@ -113,8 +96,6 @@ def materialize(model: nn.Module, device: torch.device | str, *, seed: int = 0,
     if weights is None:
         init_parameters(model, seed)
     else:
-        from qwen35_trainer.model.load import load_hf_weights
-
         load_hf_weights(model, weights)
     return model
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from qwen35_trainer.recipe import ModelRecipe
 
-__all__ = ["build_config", "check_shapes", "pad_token_id"]
+__all__ = ["build_config", "check_shapes"]
 
 
 def _checked(name: str, config_cls: type, values: dict[str, Any]) -> dict[str, Any]:
@@ -55,8 +55,15 @@ def build_config(spec: ModelRecipe) -> Any:
             f"model.text / model.vision: transformers refuses the config: {reason}"
         ) from err
     vocab = config.text_config.vocab_size
-    ids = {k: getattr(spec, k) for k in ("image_token_id", "video_token_id",
-                                         "vision_start_token_id", "vision_end_token_id")}  # fmt: skip
+    ids = {
+        k: getattr(spec, k)
+        for k in (
+            "image_token_id",
+            "video_token_id",
+            "vision_start_token_id",
+            "vision_end_token_id",
+        )
+    }
     outside = {k: v for k, v in ids.items() if not 0 <= v < vocab}
     if outside:
         raise ValueError(f"model token ids {outside} lie outside the vocabulary [0, {vocab})")
@@ -76,37 +83,28 @@ def check_shapes(config: Any) -> None:
     rules = {
         "model.vision.out_hidden_size equals model.text.hidden_size (vision features are "
         "placed into the text embeddings)": vision.out_hidden_size == text.hidden_size,
-        "model.text.num_key_value_heads divides num_attention_heads":
-            text.num_attention_heads % text.num_key_value_heads == 0,
-        "model.text.linear_num_key_heads divides linear_num_value_heads":
-            text.linear_num_value_heads % text.linear_num_key_heads == 0,
-        "model.text.layer_types has num_hidden_layers entries":
-            len(text.layer_types) == text.num_hidden_layers,
-        "model.text.num_experts_per_tok <= num_experts":
-            text.num_experts_per_tok <= text.num_experts,
+        "model.text.num_key_value_heads divides num_attention_heads": text.num_attention_heads
+        % text.num_key_value_heads
+        == 0,
+        "model.text.linear_num_key_heads divides linear_num_value_heads": text.linear_num_value_heads
+        % text.linear_num_key_heads
+        == 0,
+        "model.text.layer_types has num_hidden_layers entries": len(text.layer_types)
+        == text.num_hidden_layers,
+        "model.text.num_experts_per_tok <= num_experts": text.num_experts_per_tok
+        <= text.num_experts,
         "model.vision.num_heads divides hidden_size": vision.hidden_size % vision.num_heads == 0,
-    }  # fmt: skip
+    }
     failed = [rule for rule, ok in rules.items() if not ok]
     if failed:
-        got = (f"text hidden {text.hidden_size}, heads {text.num_attention_heads}/"
-               f"{text.num_key_value_heads}, linear heads {text.linear_num_key_heads}/"
-               f"{text.linear_num_value_heads}, layers {text.num_hidden_layers} with "
-               f"{len(text.layer_types)} layer_types, experts {text.num_experts} top "
-               f"{text.num_experts_per_tok}; vision hidden {vision.hidden_size}, heads "
-               f"{vision.num_heads}, out {vision.out_hidden_size}")  # fmt: skip
-        raise ValueError("model shapes do not fit together: expected " + "; ".join(failed)
-                         + f" (got {got})")  # fmt: skip
-
-
-def pad_token_id(config: Any) -> int:
-    """The id a packed row's padding run and right-padded rows are filled with (never a label,
-    never attended): the text config's ``pad_token_id``, else its end-of-text id (the public
-    Qwen3.5 configs have no pad id), else 0. Not written into the config: transformers would make
-    it the embedding's padding index, whose row then never trains."""
-    text = config.text_config
-    for value in (text.pad_token_id, getattr(text, "eos_token_id", None)):
-        if isinstance(value, list | tuple):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return 0
+        got = (
+            f"text hidden {text.hidden_size}, heads {text.num_attention_heads}/"
+            f"{text.num_key_value_heads}, linear heads {text.linear_num_key_heads}/"
+            f"{text.linear_num_value_heads}, layers {text.num_hidden_layers} with "
+            f"{len(text.layer_types)} layer_types, experts {text.num_experts} top "
+            f"{text.num_experts_per_tok}; vision hidden {vision.hidden_size}, heads "
+            f"{vision.num_heads}, out {vision.out_hidden_size}"
+        )
+        raise ValueError(
+            "model shapes do not fit together: expected " + "; ".join(failed) + f" (got {got})"
+        )

@@ -22,15 +22,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from qwen35_trainer.model.build import named_parameters
+from qwen35_trainer.model.params import named_parameters
 
 __all__ = ["export_hf", "export_plan"]
 
 MAX_FILE_BYTES = 2 << 30
 
 
-def export_plan(entries: list[tuple[str, int]], world: int,
-                max_file_bytes: int = MAX_FILE_BYTES) -> list[tuple[int, int]]:  # fmt: skip
+def export_plan(
+    entries: list[tuple[str, int]], world: int, max_file_bytes: int = MAX_FILE_BYTES
+) -> list[tuple[int, int]]:
     """Per ``(name, bytes)`` entry: ``(owner rank, file number)``, file numbers counted from 1
     over all ranks (rank 0's files first)."""
     owners, load = [], [0] * world
@@ -54,8 +55,7 @@ def _file_name(number: int, total: int) -> str:
     return f"model-{number:05d}-of-{total:05d}.safetensors"
 
 
-def export_hf(model: nn.Module, path: str | Path, *,
-              max_file_bytes: int = MAX_FILE_BYTES) -> None:  # fmt: skip
+def export_hf(model: nn.Module, path: str | Path, *, max_file_bytes: int = MAX_FILE_BYTES) -> None:
     """Every rank calls this (module docstring); returns when the directory is complete."""
     from safetensors.torch import save_file
 
@@ -84,10 +84,14 @@ def export_hf(model: nn.Module, path: str | Path, *,
     if pending:
         save_file(pending, str(path / _file_name(current, total)), metadata={"format": "pt"})
     if rank == 0:
-        weight_map = {name: _file_name(number, total)
-                      for (name, _), (_, number) in zip(params, plan, strict=True)}  # fmt: skip
-        index = {"metadata": {"total_size": sum(size for _, size in entries)},
-                 "weight_map": weight_map}  # fmt: skip
+        weight_map = {
+            name: _file_name(number, total)
+            for (name, _), (_, number) in zip(params, plan, strict=True)
+        }
+        index = {
+            "metadata": {"total_size": sum(size for _, size in entries)},
+            "weight_map": weight_map,
+        }
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         model.config.save_pretrained(str(path))
     if dist.is_initialized():

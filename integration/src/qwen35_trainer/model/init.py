@@ -69,8 +69,15 @@ def _draw(rule: tuple, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
     return torch.zeros(shape) if rule[0] == "zeros" else torch.ones(shape)
 
 
-def init_rows(rule: tuple, seed: int, name: str, shape: torch.Size, lo: int, hi: int,
-              padding_row: int | None = None) -> torch.Tensor:  # fmt: skip
+def init_rows(
+    rule: tuple,
+    seed: int,
+    name: str,
+    shape: torch.Size,
+    lo: int,
+    hi: int,
+    padding_row: int | None = None,
+) -> torch.Tensor:
     """Rows ``lo:hi`` (dim 0) of the full fp32 initial value of parameter ``name``."""
     row = tuple(shape[1:])
     per_block = max(1, BLOCK_ELEMENTS // max(1, math.prod(row)))

@@ -15,26 +15,17 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from qwen35_trainer.model.adapter import CheckpointFiles, StateDictAdapter
-from qwen35_trainer.model.build import named_parameters
+from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index, read_local
+from qwen35_trainer.parallel.dist import any_rank
 
 __all__ = ["load_hf_weights"]
 
 logger = logging.getLogger("qwen35_trainer")
-
-
-def _agree(failed: bool, device: torch.device) -> bool:
-    """Whether any rank failed (every rank gets the same answer)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return failed
-    flag = torch.tensor([int(failed)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def load_hf_weights(model: nn.Module, path: str | Path) -> None:
@@ -53,16 +44,19 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
             readers[name] = adapter.reader(name, tuple(param.shape), problems)
         skipped, unexpected = adapter.unused()
         problems += [f"{key}: on disk, not in the model" for key in unexpected]
-    if _agree(bool(problems), device):
+    if any_rank(bool(problems), device):
         if adapter is None:
             raise ValueError(problems[0])
         where = "; ".join(problems[:20]) if problems else "(found by another rank)"
         more = f" ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise ValueError(f"checkpoint {path} does not fit the recipe's model "
-                         f"({len(problems)} tensor(s) on this rank): {where}{more}")  # fmt: skip
+        raise ValueError(
+            f"checkpoint {path} does not fit the recipe's model "
+            f"({len(problems)} tensor(s) on this rank): {where}{more}"
+        )
     if skipped:
-        logger.info("checkpoint %s: skipped %d multi-token-prediction tensors (mtp.*)", path,
-                    len(skipped))  # fmt: skip
+        logger.info(
+            "checkpoint %s: skipped %d multi-token-prediction tensors (mtp.*)", path, len(skipped)
+        )
     with torch.no_grad():
         for name, _, _, param in params:
             local = param.to_local() if isinstance(param, DTensor) else param

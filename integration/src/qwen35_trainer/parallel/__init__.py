@@ -1,9 +1,15 @@
-"""The parallel stage: :class:`ParallelDims` (degrees and meshes) and :func:`parallelize`
-(TP, EP, AC, FSDP in that order), giving this rank's :class:`Layout`."""
+"""The parallel stage: :class:`ParallelDims` (degrees and meshes), :func:`parallelize` (TP, EP,
+AC, FSDP in that order) giving this rank's :class:`Layout`, and the run's process group and
+agreements (:mod:`.dist`)."""
 
-from qwen35_trainer.parallel.apply import FSDP_UNITS, apply_parallelism
-from qwen35_trainer.parallel.dims import EP_FIRST, Meshes, ParallelDims
-from qwen35_trainer.parallel.layout import Layout, check_layout, parallelize
+from qwen35_trainer.parallel.apply import (
+    FSDP_UNITS,
+    Layout,
+    apply_parallelism,
+    parallelize,
+    validate_layout,
+)
+from qwen35_trainer.parallel.dims import EP_FIRST, MeshAxis, Meshes, ParallelDims
 from qwen35_trainer.parallel.tp_plan import TP_PLAN
 
 __all__ = [
@@ -11,9 +17,10 @@ __all__ = [
     "FSDP_UNITS",
     "TP_PLAN",
     "Layout",
+    "MeshAxis",
     "Meshes",
     "ParallelDims",
     "apply_parallelism",
-    "check_layout",
     "parallelize",
+    "validate_layout",
 ]

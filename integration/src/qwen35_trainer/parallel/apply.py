@@ -1,7 +1,9 @@
 """Apply a run's parallelism to the model, in the repository's fixed order: TP, EP, AC, FSDP.
 
-Every mesh comes from :class:`~qwen35_trainer.parallel.dims.ParallelDims`; this module only
-places the model on them:
+:func:`parallelize` is the one entry point: it validates the recipe's layout against the
+launch (:func:`validate_layout`, every reason in one message), builds the meshes
+(:class:`~qwen35_trainer.parallel.dims.ParallelDims`; one process too, on its one-rank group:
+the same program as every layout) and applies, in place:
 
 - TP (``tp > 1``): :data:`~qwen35_trainer.parallel.tp_plan.TP_PLAN` on the dense mesh's "tp"
   dim — attention heads and the shared expert split, routed experts and routers never — and
@@ -14,7 +16,7 @@ places the model on them:
   ``dp_replicate``), the units being the decoder layers and vision blocks, named explicitly.
 
 The gradient rule (the one scaling in the trainer): each rank's loss is its SHARE of the global
-batch's loss (:mod:`qwen35_trainer.objective`) and every gradient reduction is a SUM
+batch's loss (:mod:`qwen35_trainer.model.objective`) and every gradient reduction is a SUM
 (``grad_reduction="sum"``), so the reduced gradient is the sum of the shares' gradients: the
 one-process gradient. Why each reduction sums exactly the right contributions:
 
@@ -27,9 +29,20 @@ one-process gradient. Why each reduction sums exactly the right contributions:
   tokens (the dispatch's backward returns them), and FSDP sums over the expert replicas
   (``dp_replicate × efsdp``): together every ``batch`` rank's tokens, each once;
 - gradient accumulation adds micro-batches' shares of the SAME global loss, so it is exact.
+
+This rank's :class:`Layout` — which tokens it holds and which groups its collectives use — is
+read from mesh coordinates, never computed from the global rank, so no rank order is assumed:
+``data_index`` of ``data_size`` (which data-parallel group's rows it takes); under CP the ranks
+of ``cp_group`` share one packed row; ``loss_group``: every rank holding different tokens
+(``dp_replicate × dp_shard × cp``; TP peers hold the same tokens and are left out so nothing is
+counted twice), over which the valid-label count, the aux-loss statistics and the logged totals
+are summed.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import torch
 
@@ -39,14 +52,96 @@ from moe_parallel import (
     apply_expert_parallel,
     apply_tensor_parallel,
 )
-from qwen35_trainer.parallel.dims import Meshes
+from qwen35_trainer.parallel.dims import MeshAxis, Meshes, ParallelDims
+from qwen35_trainer.parallel.dist import init_distributed, world
 from qwen35_trainer.parallel.tp_gdn import split_gated_deltanet
 from qwen35_trainer.parallel.tp_plan import TP_PLAN
 
-__all__ = ["FSDP_UNITS", "apply_parallelism", "check_tp_heads", "gated_deltanet_layers"]
+__all__ = [
+    "FSDP_UNITS",
+    "Layout",
+    "apply_parallelism",
+    "check_tp_heads",
+    "gated_deltanet_layers",
+    "parallelize",
+    "validate_layout",
+]
 
 # The blocks FSDP shards as units (each all-gathered just before it runs).
 FSDP_UNITS = ("Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock")
+
+
+@dataclasses.dataclass
+class Layout:
+    """Where this rank sits (one process: the defaults)."""
+
+    data_index: int = 0
+    data_size: int = 1
+    loss_group: Any = None
+    cp: int = 1
+    cp_group: Any = None
+    meshes: Meshes | None = None
+
+    @classmethod
+    def from_meshes(cls, meshes: Meshes) -> Layout:
+        dims = meshes.dims
+        return cls(
+            data_index=meshes.data_index(),
+            data_size=dims.data_parallel,
+            loss_group=meshes.batch.get_group() if dims.batch > 1 else None,
+            cp=dims.cp,
+            cp_group=meshes.cp.get_group() if dims.cp > 1 else None,
+            meshes=meshes,
+        )
+
+
+def validate_layout(recipe: Any, world_size: int) -> ParallelDims:
+    """The run's :class:`ParallelDims` from the recipe's ``parallel`` section, or ``ValueError``
+    with every reason it cannot run in ``world_size`` ranks."""
+    spec, packing = recipe.parallel, recipe.data.packing
+    reasons = []
+    try:
+        dims = ParallelDims.from_recipe(spec, world_size)
+    except ValueError as err:
+        reasons.append(str(err).removeprefix("invalid parallel layout: "))
+        dims = None
+    if spec.cp > 1 and not packing:
+        reasons.append(
+            "parallel.cp > 1 needs data.packing: context parallelism splits ONE packed row "
+            "over the CP ranks by its document layout"
+        )
+    if spec.tp > 1 and not packing:
+        reasons.append(
+            "parallel.tp > 1 needs data.packing: the TP-split Gated DeltaNet layers run "
+            "cp-varlen-attn's packed forward on this rank's heads"
+        )
+    if reasons:
+        raise ValueError("invalid parallel layout: " + "; ".join(reasons))
+    return dims
+
+
+def parallelize(
+    objective: torch.nn.Module,
+    recipe: Any,
+    device: torch.device,
+    *,
+    dims: ParallelDims | None = None,
+) -> Layout:
+    """Build the meshes of ``recipe``'s layout on the default process group (``dims``: the
+    layout when already validated) and apply TP, EP, activation checkpointing and FSDP2 (bf16
+    compute with ``train.dtype: bfloat16``) to ``objective`` in place; this rank's
+    :class:`Layout`."""
+    init_distributed()  # one process without a group: its one-rank group (see .dist)
+    dims = dims or validate_layout(recipe, world())
+    meshes = dims.build(device.type)
+    bf16 = recipe.train.dtype == "bfloat16"
+    apply_parallelism(
+        objective,
+        meshes,
+        activation_checkpointing=recipe.train.activation_checkpointing,
+        param_dtype=torch.bfloat16 if bf16 else None,
+    )
+    return Layout.from_meshes(meshes)
 
 
 def gated_deltanet_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -56,8 +151,10 @@ def gated_deltanet_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def check_tp_heads(text_config, tp: int) -> None:
     """``ValueError`` unless ``tp`` splits the attention heads whole."""
-    heads = {"num_attention_heads": text_config.num_attention_heads,
-             "num_key_value_heads": text_config.num_key_value_heads}  # fmt: skip
+    heads = {
+        "num_attention_heads": text_config.num_attention_heads,
+        "num_key_value_heads": text_config.num_key_value_heads,
+    }
     bad = {k: v for k, v in heads.items() if v % tp}
     if bad:
         raise ValueError(
@@ -98,8 +195,8 @@ def apply_parallelism(
     shard_model(
         objective,
         meshes.dense,
-        shard_dims=("dp_shard", "cp"),
-        replicate_dims=("dp_replicate",) if dims.dp_replicate > 1 else (),
+        shard_dims=(MeshAxis.DP_SHARD, MeshAxis.CP),
+        replicate_dims=(MeshAxis.DP_REPLICATE,) if dims.dp_replicate > 1 else (),
         unit_modules=list(FSDP_UNITS),
         mixed_precision=mp,
         expert_mesh=meshes.expert_fsdp if dims.ep > 1 else None,

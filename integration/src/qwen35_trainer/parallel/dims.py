@@ -32,6 +32,7 @@ holding DIFFERENT tokens of the same model replica, and each token reaches its e
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any
 
@@ -40,9 +41,21 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_compat import flatten_mesh
 
-__all__ = ["EP_FIRST", "Meshes", "ParallelDims"]
+__all__ = ["EP_FIRST", "MeshAxis", "Meshes", "ParallelDims"]
 
 EP_FIRST = ("cp", "dp")
+
+
+class MeshAxis(enum.StrEnum):
+    """The names of the mesh dims (a member equals its string, so meshes index by either)."""
+
+    DP_REPLICATE = "dp_replicate"  # HSDP replicas (recipe parallel.dp_replicate)
+    DP_SHARD = "dp_shard"  # FSDP-sharded data-parallel ranks (recipe parallel.dp)
+    CP = "cp"
+    TP = "tp"
+    EFSDP = "efsdp"  # the experts' FSDP dim: dp_shard * cp / ep
+    EP = "ep"
+    BATCH = "batch"  # flattened dp_replicate x dp_shard x cp: the loss group
 
 
 @dataclasses.dataclass
@@ -58,22 +71,22 @@ class Meshes:
 
     @property
     def cp(self) -> DeviceMesh:
-        return self.dense["cp"]
+        return self.dense[MeshAxis.CP]
 
     @property
     def tp(self) -> DeviceMesh:
-        return self.dense["tp"]
+        return self.dense[MeshAxis.TP]
 
     @property
     def ep(self) -> DeviceMesh:
-        return self.expert["ep"]
+        return self.expert[MeshAxis.EP]
 
     @property
     def expert_fsdp(self) -> DeviceMesh:
         """The experts' FSDP mesh: efsdp, or (dp_replicate, efsdp) for HSDP."""
         if self.dims.dp_replicate > 1:
-            return self.expert["dp_replicate", "efsdp"]
-        return self.expert["efsdp"]
+            return self.expert[MeshAxis.DP_REPLICATE, MeshAxis.EFSDP]
+        return self.expert[MeshAxis.EFSDP]
 
     def data_index(self) -> int:
         """Which data-parallel group's rows this rank takes (0 .. dp_replicate·dp_shard - 1)."""
@@ -100,10 +113,18 @@ class ParallelDims:
 
     def refusals(self) -> list[str]:
         """Why this layout cannot run (empty when it can)."""
-        names = {"parallel.dp_replicate": self.dp_replicate, "parallel.dp": self.dp_shard,
-                 "parallel.cp": self.cp, "parallel.tp": self.tp, "parallel.ep": self.ep}  # fmt: skip
-        bad = [f"{k} must be an integer >= 1, got {v!r}" for k, v in names.items()
-               if isinstance(v, bool) or not isinstance(v, int) or v < 1]  # fmt: skip
+        names = {
+            "parallel.dp_replicate": self.dp_replicate,
+            "parallel.dp": self.dp_shard,
+            "parallel.cp": self.cp,
+            "parallel.tp": self.tp,
+            "parallel.ep": self.ep,
+        }
+        bad = [
+            f"{k} must be an integer >= 1, got {v!r}"
+            for k, v in names.items()
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1
+        ]
         if bad:
             return bad
         reasons = []
@@ -157,22 +178,30 @@ class ParallelDims:
 
     def build(self, device_type: str) -> Meshes:
         """Every mesh (all ranks must call it: each dim creates its process groups)."""
-        names = ("dp_replicate", "dp_shard", "cp", "tp")
+        a = MeshAxis
+        names = (a.DP_REPLICATE, a.DP_SHARD, a.CP, a.TP)
         shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
         dense = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        batch = flatten_mesh(dense, ("dp_replicate", "dp_shard", "cp"), "batch")
-        shard = flatten_mesh(dense, ("dp_shard", "cp"))
+        batch = flatten_mesh(dense, (a.DP_REPLICATE, a.DP_SHARD, a.CP), a.BATCH)
+        shard = flatten_mesh(dense, (a.DP_SHARD, a.CP))
         expert = None
         if self.ep > 1:
             expert = DeviceMesh(
                 device_type,
                 self.expert_grid(dense.mesh),
-                mesh_dim_names=("dp_replicate", "efsdp", "ep", "tp"),
+                mesh_dim_names=(a.DP_REPLICATE, a.EFSDP, a.EP, a.TP),
             )
         return Meshes(self, dense, batch, shard, expert)
 
     @classmethod
     def from_recipe(cls, spec: Any, world: int) -> ParallelDims:
         """From a recipe's ``parallel`` section (``dp`` is the FSDP-sharded degree)."""
-        return cls(world=world, dp_shard=spec.dp, dp_replicate=spec.dp_replicate, cp=spec.cp,
-                   tp=spec.tp, ep=spec.ep, ep_first=spec.ep_first)  # fmt: skip
+        return cls(
+            world=world,
+            dp_shard=spec.dp,
+            dp_replicate=spec.dp_replicate,
+            cp=spec.cp,
+            tp=spec.tp,
+            ep=spec.ep,
+            ep_first=spec.ep_first,
+        )

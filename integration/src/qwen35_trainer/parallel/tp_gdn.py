@@ -89,17 +89,20 @@ class _SumOverTP(torch.autograd.Function):
         return grad, None
 
 
-def qkv_rows(num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, rank: int,
-             tp: int) -> torch.Tensor:  # fmt: skip
+def qkv_rows(
+    num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, rank: int, tp: int
+) -> torch.Tensor:
     """The rows of the fused [q | k | v] projection (and conv channels) rank ``rank`` computes:
     its q heads, its k heads, its v heads, in that order."""
     key_dim, qk = num_k_heads * head_k_dim, num_k_heads * head_k_dim // tp
     vd = num_v_heads * head_v_dim // tp
-    return torch.cat([
-        torch.arange(rank * qk, (rank + 1) * qk),
-        key_dim + torch.arange(rank * qk, (rank + 1) * qk),
-        2 * key_dim + torch.arange(rank * vd, (rank + 1) * vd),
-    ])  # fmt: skip
+    return torch.cat(
+        [
+            torch.arange(rank * qk, (rank + 1) * qk),
+            key_dim + torch.arange(rank * qk, (rank + 1) * qk),
+            2 * key_dim + torch.arange(rank * vd, (rank + 1) * vd),
+        ]
+    )
 
 
 def _check(layer: nn.Module, tp: int) -> None:
@@ -112,8 +115,11 @@ def _check(layer: nn.Module, tp: int) -> None:
             f"whole heads; the layer has {uneven} (model.text.linear_num_key_heads / "
             "linear_num_value_heads)"
         )
-    biased = [n for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d",
-                          "out_proj") if getattr(layer, n).bias is not None]  # fmt: skip
+    biased = [
+        n
+        for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj")
+        if getattr(layer, n).bias is not None
+    ]
     if biased:
         raise ValueError(
             f"TP-split Gated DeltaNet expects bias-free projections; {biased} have one"
@@ -132,8 +138,9 @@ def split_gated_deltanet(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
         sharded = distribute_tensor(param.data, tp_mesh, [placement])
         module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     rank = tp_mesh.get_local_rank()
-    rows = qkv_rows(layer.num_k_heads, layer.head_k_dim, layer.num_v_heads, layer.head_v_dim,
-                    rank, tp)  # fmt: skip
+    rows = qkv_rows(
+        layer.num_k_heads, layer.head_k_dim, layer.num_v_heads, layer.head_v_dim, rank, tp
+    )
     layer.forward = functools.partial(_tp_packed_forward, layer, tp_mesh.get_group(), rows, tp)
 
 
@@ -167,8 +174,19 @@ def _local_view(layer: nn.Module, group: Any, rows: torch.Tensor, tp: int):
     )
 
 
-def _tp_packed_forward(layer, group, rows, tp, hidden_states, cache=None, attention_mask=None,
-                       *, cp_layout=None, cp_group=None, **kwargs):  # fmt: skip
+def _tp_packed_forward(
+    layer,
+    group,
+    rows,
+    tp,
+    hidden_states,
+    cache=None,
+    attention_mask=None,
+    *,
+    cp_layout=None,
+    cp_group=None,
+    **kwargs,
+):
     """The layer's forward on packed rows (transformers' call signature), this rank's heads."""
     if cp_layout is None:
         raise ValueError("a TP-split Gated DeltaNet layer runs on packed rows: cp_layout= missing")

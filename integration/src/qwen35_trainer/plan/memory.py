@@ -38,7 +38,7 @@ import math
 import torch
 from torch import nn
 
-from qwen35_trainer.model.build import named_parameters
+from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index
 
 __all__ = ["ROUTING_SKEW", "Memory", "Shape", "memory", "parameter_bytes"]
@@ -138,8 +138,9 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
     if checkpointing:
         saved = _saved_with_checkpointing(text, vision, shape)
     else:
-        saved = sum(_block_working_set(text, s, 1.0, b, t == "full_attention")
-                    for t in text.layer_types)  # fmt: skip
+        saved = sum(
+            _block_working_set(text, s, 1.0, b, t == "full_attention") for t in text.layer_types
+        )
         saved += vision.depth * shape.patches * (6 * vh + 2 * vision.intermediate_size) * b
     recompute = max(_block_working_set(text, s, ROUTING_SKEW, b, full) for full in (False, True))
     loss = s * h * 4 + text.vocab_size * h * 4 + LOSS_CHUNK_BYTES
@@ -153,5 +154,6 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
         state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
         cp = (shape.row_tokens * kv if full_layers else 0) + 2 * state * 4
     gathered = shape.image_tokens * h * b if dims.cp > 1 else 0
-    return Memory(params, params, 2 * params + 4 * tensors, saved, recompute, loss, fsdp, cp,
-                  gathered)  # fmt: skip
+    return Memory(
+        params, params, 2 * params + 4 * tensors, saved, recompute, loss, fsdp, cp, gathered
+    )

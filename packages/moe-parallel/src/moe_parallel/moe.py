@@ -165,7 +165,13 @@ class Experts(nn.Module):
             y_sorted = compute(x_sorted, counts_E)
         else:
             y_sorted = all_to_all_expert_compute(x_sorted, counts_E, compute, self.ep_group)
-        return y_sorted.index_select(0, torch.argsort(order)).view(n, k, y_sorted.shape[-1])
+        # back to assignment order, written into a fresh [N, K, H] tensor: the module's output
+        # is not a view (FSDP2 cannot track in-place use of a view a wrapped module returns);
+        # index_copy_'s backward is an index_select, so it adds in no order-dependent way
+        h = y_sorted.shape[-1]
+        y_NKH = y_sorted.new_empty(n, k, h)
+        y_NKH.view(n * k, h).index_copy_(0, order, y_sorted)
+        return y_NKH
 
 
 class SwiGLU(nn.Module):

@@ -36,8 +36,9 @@ from torch import nn
 from chunked_loss import global_num_valid_tokens, linear_cross_entropy
 from moe_parallel import MoE, load_balancing_loss
 from qwen35_trainer.data import IGNORE_INDEX, Batch
-from qwen35_trainer.data.packing import PackedInputs, packed_hidden_states
-from qwen35_trainer.model import moe_blocks
+from qwen35_trainer.data.packing import PackedInputs
+from qwen35_trainer.model.build import moe_blocks
+from qwen35_trainer.model.packed import dummy_vision, packed_hidden_states
 
 __all__ = ["LossShares", "RouterLogits", "TrainingObjective", "shifted_labels"]
 
@@ -99,8 +100,10 @@ class TrainingObjective(nn.Module):
         dummy = None if batch.has_media else dummy_vision(vlm)
         if packed is None:
             if batch.pixel_values_videos.numel():
-                raise ValueError("videos need data.packing: true (the packed forward encodes "
-                                 "images and videos in one vision call on every rank)")  # fmt: skip
+                raise ValueError(
+                    "videos need data.packing: true (the packed forward encodes "
+                    "images and videos in one vision call on every rank)"
+                )
             outputs = vlm(
                 input_ids=batch.input_ids,
                 attention_mask=batch.attention_mask,
@@ -131,8 +134,13 @@ class TrainingObjective(nn.Module):
         aux = load_balancing_loss(logits, self.router.top_k, group=group)
         correct = None
         if accuracy:
-            correct = count_correct(hidden_BSH, head.weight, head.bias, labels_BS,
-                                    self.loss_chunk_size or ACCURACY_CHUNK)  # fmt: skip
+            correct = count_correct(
+                hidden_BSH,
+                head.weight,
+                head.bias,
+                labels_BS,
+                self.loss_chunk_size or ACCURACY_CHUNK,
+            )
         return LossShares(ce=ce, aux=aux, tokens=num_valid_tokens, correct=correct)
 
 
@@ -140,8 +148,13 @@ ACCURACY_CHUNK = 4096  # tokens per arg-max chunk: [4096, vocab] logits at a tim
 
 
 @torch.no_grad()
-def count_correct(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
-                  labels_BS: torch.Tensor, chunk: int) -> torch.Tensor:  # fmt: skip
+def count_correct(
+    hidden_BSH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    labels_BS: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
     """How many valid labels equal the arg-max of ``hidden @ weight.T (+ bias)``, computed
     ``chunk`` tokens at a time (fp32 scalar)."""
     if hasattr(weight_VH, "full_tensor"):  # a DTensor (TP): the whole head
@@ -165,19 +178,6 @@ def count_valid_labels(labels: torch.Tensor, group: Any = None) -> int:
     if group is None:
         return int((labels != IGNORE_INDEX).sum())
     return global_num_valid_tokens(labels, group=group)
-
-
-def dummy_vision(vlm: nn.Module) -> torch.Tensor:
-    """The vision tower's merged features of one zero frame of the smallest grid (one merged
-    token): run by rows without images so every rank runs the tower (see the module docstring)."""
-    tower = vlm.visual
-    merge = tower.spatial_merge_size
-    config = tower.config
-    row = config.in_channels * config.temporal_patch_size * config.patch_size**2
-    device = next(tower.parameters()).device
-    pixels = torch.zeros(merge * merge, row, device=device, dtype=tower.dtype)
-    grid = torch.tensor([[1, merge, merge]], device=device)
-    return tower(pixels, grid_thw=grid).pooler_output
 
 
 def shifted_labels(batch: Batch) -> torch.Tensor:

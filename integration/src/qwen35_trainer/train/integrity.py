@@ -1,7 +1,7 @@
 """Checkpoint integrity: a manifest of every file a checkpoint holds (size and checksum),
 written while saving, and the verdict on a checkpoint directory when it is loaded or checked.
 
-A checkpoint directory (:mod:`qwen35_trainer.checkpoint`) is written by every rank (its DCP
+A checkpoint directory (:mod:`qwen35_trainer.train.checkpoint`) is written by every rank (its DCP
 shard files), by DCP's coordinator (``.metadata``) and by rank 0 (the recipe, the data state).
 Each writer computes the checksum of a file from the bytes it hands to the file, as it writes
 them (:class:`ChecksummingWriter` wraps DCP's file streams; :func:`write_file` for the text
@@ -22,7 +22,7 @@ core, so it costs a few per cent of a save (``benchmarks/bench_checkpoint.py``).
 Verifying a checkpoint (:func:`verify`): sizes are compared for every file (a ``stat`` each);
 checksums read the files again. Under a launch, ``share`` lets each rank hash every
 ``world``-th file; the ranks then combine their verdicts
-(:func:`qwen35_trainer.checkpoint.agreed_verdict`). A directory is one of:
+(:func:`qwen35_trainer.train.checkpoint.agreed_verdict`). A directory is one of:
 
 - ``intact``: it has a manifest and every file matches it;
 - ``damaged``: a file is missing, has another size or checksum, the manifest cannot be read, or

@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from qwen35_trainer.checkpoint import checkpoints_in, load_checkpoint
 from qwen35_trainer.data.feed import Feed
-from qwen35_trainer.determinism import deterministic_mode
-from qwen35_trainer.nonfinite import global_sources
 from qwen35_trainer.recipe import Recipe
-from qwen35_trainer.schedule import lr_at, set_lr
-from qwen35_trainer.step import train_step
-from qwen35_trainer.train import setup, start_processes
+from qwen35_trainer.train.checkpoint import checkpoints_in, load_checkpoint
+from qwen35_trainer.train.determinism import deterministic_mode
+from qwen35_trainer.train.loop import setup, start_processes
+from qwen35_trainer.train.nonfinite import global_sources
+from qwen35_trainer.train.schedule import lr_at, set_lr
+from qwen35_trainer.train.step import train_step
 
 __all__ = ["Replay", "layer_grad_norms", "logged_record", "replay"]
 
@@ -132,7 +132,7 @@ def _replay(recipe: Recipe, path: Path, step: int) -> Replay:
             f"{path} holds the state after step {done}: it can replay steps "
             f"{done + 1}..{recipe.train.steps} of this recipe, not {step}"
         )
-    feed = Feed(recipe, run.objective.model, run.layout, run.device)
+    feed = Feed(recipe, run.objective.model.config, run.layout, run.device)
     feed.restore(path)
     kwargs = dict(aux_coef=run.aux_coef, grad_clip=recipe.train.grad_clip, device=run.device)
     norms: dict[str, float] = {}

@@ -4,7 +4,7 @@ A checkpoint is the directory ``<checkpoint_dir>/step_<NNNNNN>`` holding the mod
 state (``torch.distributed.checkpoint.state_dict``: FSDP2 / EP DTensor shards are written by
 their owners and re-sharded on load, so a checkpoint can be resumed under another layout), the
 number of finished steps, the files the trainer adds (the resolved recipe, the data state) and
-``manifest.json``: every file's size and checksum (:mod:`qwen35_trainer.integrity`).
+``manifest.json``: every file's size and checksum (:mod:`qwen35_trainer.train.integrity`).
 
 Atomic: every rank writes into ``step_<NNNNNN>.partial``, checksumming its files as it writes
 them; rank 0 gathers the records (which also waits for every rank to finish), adds the trainer's
@@ -22,7 +22,7 @@ says which file is wrong and how); an explicitly named checkpoint that is damage
 (:class:`DamagedCheckpointError`). Before reading, the model's tensor names and shapes are
 compared with the checkpoint's metadata, so "a checkpoint of another model" is said only when
 it is one, naming the tensors; a failure while reading says what failed. Reading runs no
-foreign code (:mod:`qwen35_trainer.safe_load`).
+foreign code (:mod:`qwen35_trainer.train.safe_load`).
 
 Why a resumed run continues exactly: the model and optimizer tensors are restored bit for bit,
 the data stream continues from its saved cursors (or is a pure function of the step), and
@@ -33,6 +33,7 @@ deterministic).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import shutil
@@ -52,16 +53,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from qwen35_trainer.integrity import (
+from qwen35_trainer.parallel.dist import all_ranks, rank, world
+from qwen35_trainer.train.integrity import (
     DAMAGED,
     ChecksummingWriter,
-    FileRecord,
     Verdict,
     verify,
     write_file,
     write_manifest,
 )
-from qwen35_trainer.safe_load import UNSAFE_ITEM, SafePlanner, SafeReader, UnsafeCheckpointError
+from qwen35_trainer.train.safe_load import (
+    UNSAFE_ITEM,
+    SafePlanner,
+    SafeReader,
+    UnsafeCheckpointError,
+)
 
 __all__ = [
     "AsyncCheckpointer",
@@ -92,12 +98,6 @@ def _one_process_is_intended():
         yield
 
 
-def _rank_world() -> tuple[int, int]:
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(), dist.get_world_size()
-
-
 def checkpoints_in(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
     """Every checkpoint under ``checkpoint_dir`` with a final name (``step_NNNNNN``, not
     ``.partial``), newest first, as ``(step, path)``; intact or not."""
@@ -112,12 +112,8 @@ def agreed_verdict(path: Path, *, checksums: bool = True) -> Verdict:
     """The verdict on ``path`` that every rank returns: each rank checks every file's size and
     hashes every ``world``-th file; the verdicts are gathered (one collective) and combined —
     damaged when any rank found damage, with every rank's problems."""
-    rank, world = _rank_world()
-    local = verify(path, checksums=checksums, share=(rank, world))
-    if world == 1:
-        return local
-    verdicts: list[Verdict | None] = [None] * world
-    dist.all_gather_object(verdicts, local)
+    local = verify(path, checksums=checksums, share=(rank(), world()))
+    verdicts = all_ranks(local)
     damaged = [v for v in verdicts if v.state == DAMAGED]
     if not damaged:
         return local
@@ -154,11 +150,7 @@ def newest_loadable(
 
 def _same_on_every_rank(checkpoint_dir, found: list[tuple[int, Path]]) -> None:
     """``ValueError`` on every rank unless all see the same newest checkpoint and count."""
-    if _rank_world()[1] == 1:
-        return
-    mine = (found[0][0] if found else -1, len(found))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = all_ranks((found[0][0] if found else -1, len(found)))
     if len(set(everyone)) > 1:
         raise ValueError(
             f"ranks see different checkpoints under {checkpoint_dir} (newest step, count per "
@@ -172,7 +164,7 @@ def _begin(checkpoint_dir: str | Path, step: int) -> tuple[Path, Path, Path]:
     root = Path(checkpoint_dir)
     path = root / f"step_{step:06d}"
     partial = root / f"{path.name}.partial"
-    if _rank_world()[0] == 0 and partial.exists():
+    if rank() == 0 and partial.exists():
         shutil.rmtree(partial)  # left by a crash mid-save
     if dist.is_initialized():
         dist.barrier()
@@ -185,18 +177,14 @@ def _finish(
     partial: Path,
     keep: int,
     files: dict[str, str] | None,
-    records: dict[str, FileRecord],
+    writer: ChecksummingWriter,
 ) -> None:
-    """After this rank wrote its files (``records``) into ``partial``: rank 0 gathers every
+    """After this rank wrote its files (``writer.records``) into ``partial``: rank 0 gathers every
     rank's records (so every rank has finished), adds ``files``, writes the manifest, renames
     ``partial`` to ``path`` and prunes to the newest ``keep``; every rank returns once that is
     done."""
-    rank, world = _rank_world()
-    gathered = [records]
-    if world > 1:
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(records, gathered, dst=0)
-    if rank == 0:
+    gathered = all_ranks(writer.records)  # also: every rank has finished writing
+    if rank() == 0:
         manifest = {name: r for ranks in gathered for name, r in ranks.items()}
         for name, text in (files or {}).items():
             manifest[name] = write_file(partial / name, text.encode())
@@ -224,68 +212,58 @@ def save_checkpoint(
     *,
     keep: int = 0,
     files: dict[str, str] | None = None,
+    background: AsyncCheckpointer | None = None,
 ) -> Path:
     """Write the state after ``step`` finished steps (every rank calls this); atomic, see the
     module docstring. ``keep`` > 0: keep only the newest ``keep`` checkpoints. ``files``: text
-    files rank 0 adds to the checkpoint (e.g. the resolved recipe), name -> content."""
+    files rank 0 adds to the checkpoint (e.g. the resolved recipe), name -> content.
+    ``background``: write the shards in its thread and return; the checkpoint is completed
+    (the same manifest and rename) by its next save or its :meth:`~AsyncCheckpointer.wait`."""
+    if background is not None:
+        background.wait()
     root, path, partial = _begin(checkpoint_dir, step)
     writer = ChecksummingWriter(partial)
+    state = _state(step, model, optimizer)
+    no_dist = not dist.is_initialized()
     with _one_process_is_intended():
-        dcp.save(
-            _state(step, model, optimizer),
-            storage_writer=writer,
-            no_dist=not dist.is_initialized(),
-        )
-    _finish(root, path, partial, keep, files, writer.records)
+        if background is None:
+            dcp.save(state, storage_writer=writer, no_dist=no_dist)
+        else:
+            group = background.group
+            future = dcp.async_save(
+                state, storage_writer=writer, process_group=group, no_dist=no_dist
+            )
+    finish = functools.partial(_finish, root, path, partial, keep, files, writer)
+    if background is None:
+        finish()
+    else:
+        background.pending = (future, finish)
     return path
 
 
 class AsyncCheckpointer:
-    """:func:`save_checkpoint` with the writing in a background thread: ``save`` copies the
-    state to host memory (DCP's stager) and returns, so training goes on while the shards are
-    written (and checksummed); the checkpoint is completed (the same manifest and rename as the
-    synchronous save, so it is just as atomic) by the next ``save`` or by :meth:`wait`, which
-    every rank must call before the run ends. DCP's collectives run on a gloo group of its own,
-    never concurrently with the training's on the default group."""
+    """Where :func:`save_checkpoint` (``background=``) writes in the background: the state is
+    copied to host memory (DCP's stager) and training goes on while the shards are written (and
+    checksummed); the checkpoint is completed (the same manifest and rename as the synchronous
+    save, so it is just as atomic) by the next save or by :meth:`wait`, which every rank must
+    call before the run ends. DCP's collectives run on a gloo group of its own, never
+    concurrently with the training's on the default group."""
 
     def __init__(self) -> None:
         distributed = dist.is_initialized() and dist.get_world_size() > 1
-        self._group = dist.new_group(backend="gloo") if distributed else None
-        self._pending = None
+        self.group = dist.new_group(backend="gloo") if distributed else None
+        self.pending = None  # (the write's future, what completes the checkpoint)
         if not dist.is_initialized():  # the writer thread repeats DCP's one-process notice
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
-    def save(
-        self,
-        checkpoint_dir: str | Path,
-        step: int,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        keep: int = 0,
-        files: dict[str, str] | None = None,
-    ) -> Path:
-        self.wait()
-        root, path, partial = _begin(checkpoint_dir, step)
-        writer = ChecksummingWriter(partial)
-        with _one_process_is_intended():
-            future = dcp.async_save(
-                _state(step, model, optimizer),
-                storage_writer=writer,
-                process_group=self._group,
-                no_dist=not dist.is_initialized(),
-            )
-        self._pending = (future, writer, root, path, partial, keep, files)
-        return path
-
     def wait(self) -> None:
         """Complete the checkpoint being written, if any (every rank)."""
-        if self._pending is None:
+        if self.pending is None:
             return
-        future, writer, *rest = self._pending
-        self._pending = None
+        future, finish = self.pending
+        self.pending = None
         future.result()
-        _finish(*rest, writer.records)
+        finish()
 
 
 def _check_model_shapes(path: Path, reader: SafeReader, model_state: dict) -> None:

@@ -22,20 +22,16 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compat import clip_grad_norm
-from qwen35_trainer.data import HELD_OUT_INDEX, IGNORE_INDEX, collate, rank_samples
-from qwen35_trainer.data.packing import pack
-from qwen35_trainer.flops import training_flops
-from qwen35_trainer.model.config import pad_token_id
+from qwen35_trainer.data import IGNORE_INDEX
+from qwen35_trainer.model.flops import training_flops
 from qwen35_trainer.parallel import Layout
 
 __all__ = [
     "EvalResult",
     "StepResult",
     "evaluate",
-    "micro_batches",
     "micro_flops",
     "peak_memory_mib",
-    "row_micro_batches",
     "train_step",
 ]
 
@@ -55,53 +51,6 @@ class StepResult:
     applied: bool = True  # False: a non-finite loss or gradient norm, the update not applied
 
 
-def micro_batches(recipe: Any, model, layout: Layout, step: int, device: torch.device, *,
-                  offset: int = 0):  # fmt: skip
-    """This rank's ``(batch, packed inputs or None)`` per micro-batch of step ``step``
-    (``offset``: the stream's first sample index, :data:`qwen35_trainer.data.HELD_OUT_INDEX`
-    for held-out batches), and its documents' sources."""
-    samples = rank_samples(recipe.model, recipe.data, step, layout.data_index, layout.data_size,
-                           offset=offset)  # fmt: skip
-    parts = _split(samples, recipe.train.grad_accum_steps, "data.samples_per_rank", "samples")
-    micro = _micro(parts, recipe, model, layout, device, recipe.data.pack_length)
-    return micro, tuple(s.source for s in samples)
-
-
-def row_micro_batches(rows: list, recipe: Any, model, layout: Layout, device: torch.device):
-    """This rank's ``(batch, packed inputs)`` per micro-batch of a dataset step: its packed
-    ``rows`` (:meth:`qwen35_trainer.data.loader.DataStream.next_step`) split evenly over
-    ``train.grad_accum_steps`` micro-batches, a micro-batch's rows packed as one sequence."""
-    parts = _split(rows, recipe.train.grad_accum_steps,
-                   "packed rows per rank (data.global_batch / data-parallel ranks)", "rows")  # fmt: skip
-    docs = [[doc for row in part for doc in row] for part in parts]
-    return _micro(docs, recipe, model, layout, device, len(parts[0]) * recipe.data.pack_length)
-
-
-def _split(items: list, n: int, what: str, unit: str) -> list[list]:
-    """``items`` in ``n`` equal consecutive parts (one per micro-batch)."""
-    if len(items) % n:
-        raise ValueError(f"{what}={len(items)} must be a multiple of train.grad_accum_steps={n} "
-                         f"(each micro-batch takes the same number of {unit})")  # fmt: skip
-    size = len(items) // n
-    return [items[first : first + size] for first in range(0, len(items), size)]
-
-
-def _micro(parts: list[list], recipe: Any, model, layout: Layout, device: torch.device,
-           capacity: int | None) -> list:  # fmt: skip
-    """Each part's documents as one packed row (``capacity`` tokens at most), or right-padded
-    rows without ``data.packing``, on ``device``."""
-    pad = pad_token_id(model.config)
-    out = []
-    for docs in parts:
-        if recipe.data.packing:
-            batch, packed = pack(docs, model.config, pad, cp=layout.cp, group=layout.cp_group,
-                                 capacity=capacity)  # fmt: skip
-            out.append((batch.to(device), packed.to(device)))
-        else:
-            out.append((collate(docs, pad).to(device), None))
-    return out
-
-
 def _all_reduce(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     if layout.loss_group is not None:
         dist.all_reduce(t, group=layout.loss_group)
@@ -115,7 +64,7 @@ def count_valid(micro, layout: Layout, device: torch.device) -> int:
 
 
 def micro_flops(config, micro, layout: Layout) -> float:
-    """This rank's share of the step's model FLOPs (:func:`qwen35_trainer.flops.
+    """This rank's share of the step's model FLOPs (:func:`qwen35_trainer.model.flops.
     training_flops`): its rows' documents (a packed row's padding run included: it is
     computed) and images; CP ranks share one row, so each counts 1/cp of it."""
     total = 0.0
@@ -129,9 +78,17 @@ def micro_flops(config, micro, layout: Layout) -> float:
     return total / layout.cp
 
 
-def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
-               grad_clip: float | None, device: torch.device,
-               before_clip: Callable[[], None] | None = None) -> StepResult:  # fmt: skip
+def train_step(
+    objective,
+    optimizer,
+    micro,
+    layout: Layout,
+    *,
+    aux_coef: float,
+    grad_clip: float | None,
+    device: torch.device,
+    before_clip: Callable[[], None] | None = None,
+) -> StepResult:
     """Forward and backward of every micro-batch, clip, optimizer step, zero the gradients.
     The step is not applied (``applied=False``; gradients dropped, optimizer state untouched)
     when the global loss or gradient norm is not finite. ``before_clip``: called (on every
@@ -150,8 +107,9 @@ def train_step(objective, optimizer, micro, layout: Layout, *, aux_coef: float,
         before_clip()
     grad_norm = clip_grad_norm(objective.parameters(), grad_clip)
     flops = micro_flops(objective.model.config, micro, layout)
-    totals = _all_reduce(torch.stack([ce, aux, torch.tensor(flops, device=device)]).double(),
-                         layout)  # fmt: skip
+    totals = _all_reduce(
+        torch.stack([ce, aux, torch.tensor(flops, device=device)]).double(), layout
+    )
     # the norm (over every mesh) and the loss totals are global: every rank decides alike
     applied = math.isfinite(grad_norm) and bool(totals[:2].isfinite().all())
     if applied:
@@ -182,28 +140,29 @@ class EvalResult:
 
 
 @torch.no_grad()
-def evaluate(recipe: Any, objective, model, layout: Layout, *, aux_coef: float,
-             device: torch.device, batches=None) -> EvalResult:  # fmt: skip
+def evaluate(
+    recipe: Any, objective, layout: Layout, batches, *, aux_coef: float, device: torch.device
+) -> EvalResult:
     """The global loss and accuracy over ``train.eval_steps`` held-out global batches, split
-    over the ranks as training is: ``batches(e)`` gives step ``e``'s micro-batches (default:
-    the synthetic held-out stream)."""
+    over the ranks as training is: ``batches(e)`` gives held-out step ``e``'s micro-batches
+    (:meth:`qwen35_trainer.data.feed.Feed.eval_batches`)."""
     sums = torch.zeros(3, device=device, dtype=torch.float64)  # ce, aux, correct shares
     labels = 0  # valid labels, global
     for e in range(recipe.train.eval_steps):
-        if batches is None:
-            micro, _ = micro_batches(recipe, model, layout, e, device, offset=HELD_OUT_INDEX)
-        else:
-            micro = batches(e)
+        micro = batches(e)
         num_valid = count_valid(micro, layout, device)
         labels += num_valid
         for batch, packed in micro:
-            shares = objective(batch, layout.loss_group, packed, num_valid_tokens=num_valid,
-                               accuracy=True)  # fmt: skip
+            shares = objective(
+                batch, layout.loss_group, packed, num_valid_tokens=num_valid, accuracy=True
+            )
             sums += torch.stack([shares.ce, shares.aux / len(micro), shares.correct]).double()
     sums = _all_reduce(sums, layout)  # each rank counted its own tokens: the sum is global
     steps = recipe.train.eval_steps
-    return EvalResult(loss=float(sums[0] / steps + aux_coef * sums[1] / steps),
-                      accuracy=float(sums[2] / labels) if labels else 0.0)  # fmt: skip
+    return EvalResult(
+        loss=float(sums[0] / steps + aux_coef * sums[1] / steps),
+        accuracy=float(sums[2] / labels) if labels else 0.0,
+    )
 
 
 def peak_memory_mib(device: torch.device) -> float:

@@ -1,6 +1,6 @@
 """What the loop does with a step whose loss or gradient norm is not finite.
 
-:func:`qwen35_trainer.step.train_step` checks the global loss and the global gradient norm
+:func:`qwen35_trainer.train.step.train_step` checks the global loss and the global gradient norm
 (the one computed for clipping, the same number on every rank) BEFORE the optimizer step and
 does not apply a non-finite step: no parameter and no optimizer state changes. Since both
 numbers are global, every rank takes the same decision without another collective; only the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 
-import torch.distributed as dist
+from qwen35_trainer.parallel.dist import all_ranks
 
 __all__ = ["NonFiniteGuard", "NonFiniteStep", "global_sources"]
 
@@ -54,11 +54,7 @@ class NonFiniteStep(FloatingPointError):
 
 def global_sources(sources: tuple[str, ...]) -> list[str]:
     """Every rank's document sources, in rank order, each once (CP / TP peers share rows)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return list(dict.fromkeys(sources))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sources)
-    return list(dict.fromkeys(s for rank in everyone for s in rank))
+    return list(dict.fromkeys(s for rank in all_ranks(sources) for s in rank))
 
 
 class NonFiniteGuard:
@@ -72,7 +68,7 @@ class NonFiniteGuard:
         self, step: int, loss: float, result, sources: tuple[str, ...]
     ) -> NonFiniteStep | None:
         """After step ``step`` (1-based) with the logged ``loss`` and the
-        :class:`~qwen35_trainer.step.StepResult` ``result``: ``None`` when it was applied or is
+        :class:`~qwen35_trainer.train.step.StepResult` ``result``: ``None`` when it was applied or is
         skipped, else the error the loop raises once the step is logged (every rank calls
         this, and all get the same answer)."""
         if result.applied:

@@ -16,7 +16,8 @@ import threading
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
+
+from qwen35_trainer.parallel.dist import any_rank
 
 __all__ = ["SIGNALS", "Preempted", "StopFlag"]
 
@@ -55,8 +56,4 @@ class StopFlag:
 
     def agreed(self, device: torch.device) -> bool:
         """Whether ANY rank was asked to stop (one all-reduce under a process group)."""
-        if not dist.is_initialized():
-            return self.requested
-        flag = torch.tensor([int(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.requested, device)

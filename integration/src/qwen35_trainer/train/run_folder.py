@@ -18,15 +18,9 @@ from typing import Any
 
 import yaml
 
-__all__ = ["METRIC_FIELDS", "RunFolder", "resolved_recipe"]
+from qwen35_trainer.train.metrics import StepLog
 
-# Every metrics.jsonl record has exactly these keys.
-METRIC_FIELDS = (
-    "step", "loss", "ce", "aux", "grad_norm", "lr", "tokens", "tokens_per_s", "step_seconds",
-    "data_seconds", "peak_memory_mib", "expert_load_max_over_mean", "experts_idle",
-    "cp_imbalance", "eval_loss", "mfu", "eval_accuracy", "fill", "over_capacity", "bad_rows",
-    "skipped_steps",
-)  # fmt: skip
+__all__ = ["RunFolder", "resolved_recipe"]
 
 
 def _plain(value: Any) -> Any:
@@ -64,11 +58,9 @@ class RunFolder:
         self.log.write(message + "\n")
         self.log.flush()
 
-    def record(self, metrics: dict[str, Any]) -> None:
-        """One optimizer step's metrics (keys :data:`METRIC_FIELDS`)."""
-        missing = set(METRIC_FIELDS) ^ set(metrics)
-        if missing:
-            raise ValueError(f"metrics record keys differ from METRIC_FIELDS: {sorted(missing)}")
+    def record(self, log: StepLog) -> None:
+        """One optimizer step's record (:meth:`StepLog.metrics`)."""
+        metrics = log.metrics()
         self.note(json.dumps(metrics))
         if self.rank != 0:
             return

@@ -28,8 +28,15 @@ import torch
 __all__ = ["PEAK_BF16_FLOPS", "peak_flops", "training_flops"]
 
 # Dense bf16 tensor-core peaks (datasheets, SXM parts), matched against the device name.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "B200": 2250e12,
-                   "A100": 312e12, "A800": 312e12, "L40S": 362e12}  # fmt: skip
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+}
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -50,9 +57,12 @@ def _text_weights_per_token(text) -> dict[str, int]:
     qk = text.linear_num_key_heads * text.linear_key_head_dim
     v = text.linear_num_value_heads * text.linear_value_head_dim
     conv = 2 * qk + v
-    moe = (h * text.num_experts
-           + text.num_experts_per_tok * 3 * h * text.moe_intermediate_size
-           + 3 * h * text.shared_expert_intermediate_size + h)  # fmt: skip
+    moe = (
+        h * text.num_experts
+        + text.num_experts_per_tok * 3 * h * text.moe_intermediate_size
+        + 3 * h * text.shared_expert_intermediate_size
+        + h
+    )
     return {
         "full_attention": h * 2 * q + 2 * h * kv + q * h + moe,
         "linear_attention": h * conv

@@ -1,0 +1,31 @@
+"""The model as every run trains it: ONE function the trainer, the planner, the export command
+and the tests build it with, so they run the same lines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qwen35_trainer.model import build
+from qwen35_trainer.model.objective import TrainingObjective
+from qwen35_trainer.parallel import Layout, ParallelDims, parallelize
+
+__all__ = ["build_training_model"]
+
+
+def build_training_model(
+    recipe: Any, device: torch.device, *, materialize: bool = True, dims: ParallelDims | None = None
+) -> tuple[TrainingObjective, Layout]:
+    """``(objective, layout)``: the recipe's model built on the meta device (adapted to packed
+    rows with ``data.packing``), wrapped in its :class:`TrainingObjective`, parallelised on the
+    recipe's meshes (:func:`qwen35_trainer.parallel.parallelize`; ``dims``: the layout when
+    already validated) and — unless ``materialize`` is false (the planner) — this rank's
+    shards allocated on ``device`` and filled: name-seeded, or read from ``model.path`` /
+    ``model.weights``. Every rank of the default process group calls it."""
+    model = build.build_meta_model(recipe.model, packing=recipe.data.packing)
+    objective = TrainingObjective(model, loss_chunk_size=recipe.train.loss_chunk_size)
+    layout = parallelize(objective, recipe, device, dims=dims)
+    if materialize:
+        build.materialize(model, device, seed=recipe.train.seed, weights=recipe.model.weights_dir)
+    return objective, layout

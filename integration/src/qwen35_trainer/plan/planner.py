@@ -1,0 +1,181 @@
+"""The dry-run planner: will a recipe fit, before anyone books the GPUs?
+
+On the CPU, for the first and the last rank of the recipe's world (the two ends of every uneven
+split; the ranks between hold the same as one of them or less), each in a fresh process (torch
+caches meshes per process) on a fake process group (:mod:`.world`): the model is built on the meta device and parallelised by the SAME code
+the trainer runs (:func:`qwen35_trainer.parallel.parallelize`: TP, EP, AC, FSDP2 with mixed
+precision), then every byte is accounted (:mod:`.memory`) and the traffic of one step is
+estimated (:func:`communication`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from qwen35_trainer.data.synthetic import max_sample_tokens
+from qwen35_trainer.model import build_training_model
+from qwen35_trainer.model.config import build_config
+from qwen35_trainer.parallel import FSDP_UNITS, ParallelDims, validate_layout
+from qwen35_trainer.plan.headroom import Headroom, process_groups
+from qwen35_trainer.plan.memory import ROUTING_SKEW, Memory, Shape, memory
+from qwen35_trainer.plan.world import fake_world
+
+__all__ = ["GIB", "Plan", "communication", "plan", "row_shape"]
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    recipe_name: str
+    world: int
+    layout: dict
+    total_parameters: int
+    active_parameters: int
+    ranks: dict[int, Memory]
+    communication: dict[str, int]
+    gpu_memory_gib: float
+    headroom: Headroom = dataclasses.field(default_factory=Headroom)
+
+    @property
+    def counted_gib(self) -> float:
+        """The peak of the tensors counted (:mod:`.memory`), the larger rank's."""
+        return max(m.peak for m in self.ranks.values()) / GIB
+
+    @property
+    def headroom_terms(self) -> dict[str, int]:
+        """What the GPU holds beyond the counted tensors (:mod:`.headroom`), in bytes."""
+        counted = max(m.peak for m in self.ranks.values())
+        return self.headroom.terms(counted, process_groups(self.layout))
+
+    @property
+    def peak_gib(self) -> float:
+        """The predicted peak: the counted tensors and every headroom term."""
+        return self.counted_gib + sum(self.headroom_terms.values()) / GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gib <= self.gpu_memory_gib
+
+    def to_json(self) -> dict:
+        return {
+            "recipe": self.recipe_name,
+            "world": self.world,
+            "layout": self.layout,
+            "total_parameters": self.total_parameters,
+            "active_parameters": self.active_parameters,
+            "ranks": {
+                str(r): {**dataclasses.asdict(m), "peak": m.peak} for r, m in self.ranks.items()
+            },
+            "communication_bytes_per_step": self.communication,
+            "routing_skew": ROUTING_SKEW,
+            "counted_peak_gib": self.counted_gib,
+            "headroom_gib": {k: v / GIB for k, v in self.headroom_terms.items()},
+            "predicted_peak_gib": self.peak_gib,
+            "gpu_memory_gib": self.gpu_memory_gib,
+            "fits": self.fits,
+        }
+
+
+def row_shape(recipe, cp: int) -> Shape:
+    """Tokens and patches of the recipe's largest row, and this rank's part of it."""
+    data, vision = recipe.data, recipe.model.vision
+    merge = vision.get("spatial_merge_size", 2) ** 2
+    patches = max(t * h * w for t, h, w in data.image_grids) * data.images_per_sample
+    frames = max(t for t, _, _ in data.image_grids) * data.images_per_sample
+    n = data.samples_per_rank
+    row = data.pack_length or n * max_sample_tokens(recipe.model, data)
+    local_frames = math.ceil(n * frames / cp)
+    return Shape(
+        tokens=math.ceil(row / cp) if data.packing else row,
+        row_tokens=row,
+        image_tokens=n * patches // merge,
+        patches=local_frames * patches // max(frames, 1),
+        compute_bytes=2 if recipe.train.dtype == "bfloat16" else 4,
+    )
+
+
+def communication(model, dims, shape: Shape) -> dict[str, int]:
+    """Bytes each rank sends in one step, by kind (ring collectives: ``(n-1)/n`` of the data;
+    forward, recompute and backward counted where each runs)."""
+    text = model.config.text_config
+    b = shape.compute_bytes
+    experts = sum(p.numel() for n, p in model.named_parameters() if "experts." in n)
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    shard = dims.dp_shard * dims.cp
+    efsdp = shard // dims.ep
+
+    def ring(n: int) -> float:
+        return (n - 1) / n if n > 1 else 0.0
+
+    gather = 2 * (dense * b * ring(shard) + experts / dims.ep * b * ring(efsdp))
+    scatter = dense * 4 * ring(shard) + experts / dims.ep * 4 * ring(efsdp)
+    a2a = text.num_hidden_layers * shape.tokens * text.num_experts_per_tok * text.hidden_size
+    full = sum(t == "full_attention" for t in text.layer_types)
+    kv = 2 * text.num_key_value_heads * text.head_dim
+    return {
+        "fsdp_all_gather": int(gather),
+        "fsdp_reduce_scatter": int(scatter),
+        "ep_all_to_all": int(a2a * b * 2 * 3 * ring(dims.ep)),
+        "cp_exchange": int(full * shape.row_tokens * kv * b * 3 * ring(dims.cp)),
+        "vision_gather": int(shape.image_tokens * text.hidden_size * b * 2 * ring(dims.cp)),
+    }
+
+
+def _rank_plan(recipe, dims: ParallelDims, rank: int):
+    """``(Memory, total, routed, communication)`` of ``rank``: the model built on meta and
+    parallelised on a fake world by the trainer's own code (``dims``: the validated layout)."""
+    world = dims.world
+    with fake_world(world, rank):
+        objective, _ = build_training_model(
+            recipe, torch.device("cpu"), materialize=False, dims=dims
+        )
+        model = objective.model
+        units = [
+            m for m in model.modules() if any(c.__name__ in FSDP_UNITS for c in type(m).__mro__)
+        ]
+        shape = row_shape(recipe, dims.cp)
+        mem = memory(
+            model, dims, shape, checkpointing=recipe.train.activation_checkpointing, units=units
+        )
+        total = sum(p.numel() for p in model.parameters())
+        routed = sum(p.numel() for n, p in model.named_parameters() if "experts." in n)
+        return mem, total, routed, communication(model, dims, shape)
+
+
+def plan(
+    recipe,
+    *,
+    name: str = "recipe",
+    world_size: int | None = None,
+    gpu_memory_gib: float = 80.0,
+    headroom: Headroom | None = None,
+) -> Plan:
+    """The :class:`Plan` of ``recipe`` on ``world_size`` ranks (default: what it needs);
+    ``ValueError`` with the reasons for a layout that cannot run. ``headroom``: the terms
+    beyond the counted tensors (default: :class:`Headroom`'s)."""
+
+    p = recipe.parallel
+    world = world_size or p.world
+    if world != p.world:
+        recipe = dataclasses.replace(recipe, parallel=p.filling(world, "--world-size"))
+    dims = validate_layout(recipe, world)
+    ranks = {}
+    planned = sorted({0, world - 1})
+    # each rank in a fresh process of its own (max_tasks_per_child=1), the two side by side
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(len(planned), mp_context=spawn, max_tasks_per_child=1) as pool:
+        futures = {rank: pool.submit(_rank_plan, recipe, dims, rank) for rank in planned}
+        for rank, future in futures.items():
+            ranks[rank], total, routed, traffic = future.result()
+    text = build_config(recipe.model).text_config
+    active = total - routed + routed * text.num_experts_per_tok // text.num_experts
+    layout = {k: getattr(recipe.parallel, k) for k in ("dp_replicate", "dp", "cp", "tp", "ep")}
+    return Plan(
+        name, world, layout, total, active, ranks, traffic, gpu_memory_gib, headroom or Headroom()
+    )

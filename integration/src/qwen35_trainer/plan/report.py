@@ -1,0 +1,37 @@
+"""The plan as the table ``qwen35-train plan`` prints: the counted tensors per rank, then each
+term of what the GPU holds beyond them (:mod:`qwen35_trainer.plan.headroom`), the traffic of one
+step, and the verdict against the GPU's memory."""
+
+from __future__ import annotations
+
+from qwen35_trainer.plan.planner import GIB, Plan
+
+__all__ = ["format_plan"]
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as the table the command prints."""
+    layout = " x ".join(f"{k} {v}" for k, v in p.layout.items() if v > 1) or "one rank"
+    lines = [
+        f"plan: {p.recipe_name} on {p.world} ranks ({layout})",
+        f"total parameters            {p.total_parameters / 1e9:10.2f} B",
+        f"active parameters per token {p.active_parameters / 1e9:10.2f} B",
+        "",
+        "GiB per GPU          " + "".join(f"{'rank ' + str(r):>12}" for r in p.ranks),
+    ]
+    fields = list(next(iter(p.ranks.values())).__dataclass_fields__)
+    for field in [*fields, "peak"]:
+        values = "".join(f"{getattr(m, field) / GIB:12.2f}" for m in p.ranks.values())
+        lines.append(f"  {'tensors counted' if field == 'peak' else field:<19}{values}")
+    lines += ["", "beyond the counted tensors (--headroom NAME=VALUE to change)"]
+    lines += [f"  {term:<27}{n / GIB:8.2f}" for term, n in p.headroom_terms.items()]
+    lines += ["", "communication per step (GiB sent per rank)"]
+    lines += [f"  {kind:<19}{n / GIB:12.2f}" for kind, n in p.communication.items()]
+    verdict = "fits" if p.fits else "does NOT fit"
+    lines += [
+        "",
+        f"predicted peak {p.peak_gib:.2f} GiB per GPU ({p.counted_gib:.2f} counted + "
+        f"{p.peak_gib - p.counted_gib:.2f} headroom): {verdict} in "
+        f"{p.gpu_memory_gib:g} GiB",
+    ]
+    return "\n".join(lines)

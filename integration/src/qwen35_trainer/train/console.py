@@ -1,0 +1,126 @@
+"""What rank 0 prints while a run trains: what runs (its first lines), one line per step (or one
+progress bar on a terminal) and the closing summary. The other ranks print nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+import time
+
+import torch
+
+from qwen35_trainer.recipe import Recipe
+from qwen35_trainer.train.metrics import StepLog
+
+__all__ = ["Console", "quiet_cpu_notices", "what_runs"]
+
+GPU_KERNEL_LIBRARIES = (
+    ("flash_attn", "flash-attn"),
+    ("fla", "fla (gated delta rule)"),
+    ("transformer_engine", "TransformerEngine"),
+)
+
+
+def what_runs(recipe: Recipe, world: int, device: torch.device) -> list[str]:
+    """The run's first lines: its layout, precision, kernels, data and run folder."""
+    p, spec, data = recipe.parallel, recipe.train, recipe.data
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    lines = [
+        f"layout: dp_replicate {p.dp_replicate} x dp {p.dp} x cp {p.cp} x tp {p.tp}, ep {p.ep} "
+        f"(ep_first {p.ep_first}) on {world} rank(s), {backend} on {device.type}",
+        f"precision: {spec.dtype}; activation checkpointing "
+        f"{'on' if spec.activation_checkpointing else 'off'}; deterministic "
+        f"{'on' if spec.deterministic else 'off'}",
+    ]
+    if device.type == "cuda":
+        found = [name for module, name in GPU_KERNEL_LIBRARIES if importlib.util.find_spec(module)]
+        missing = [name for module, name in GPU_KERNEL_LIBRARIES if name not in found]
+        lines.append(
+            f"kernels: GPU libraries found: {', '.join(found) or 'none'}"
+            + (
+                f"; not installed (torch paths run instead): {', '.join(missing)}"
+                if missing
+                else ""
+            )
+        )
+    else:
+        lines.append("kernels: the torch reference paths (CPU)")
+    if data.dataset:
+        source = data.path or data.source
+        lines.append(f"data: {source} through {data.processor}, packed to {data.pack_length}")
+    else:
+        lines.append("data: the synthetic stream (no data.path)")
+    lines.append(f"run folder: {spec.output_dir or '(none)'}")
+    return lines
+
+
+def quiet_cpu_notices() -> None:
+    """Drop torch's "No CUDA runtime is found, using CUDA_HOME=..." notice on a machine without
+    a GPU: Inductor's C++ builder imports ``torch.utils.cpp_extension``, which says it once per
+    process whenever a CUDA toolkit is installed — on CPU it changes nothing."""
+    if torch.cuda.is_available():
+        return
+    logging.getLogger("torch.utils.cpp_extension").addFilter(
+        lambda record: not record.getMessage().startswith("No CUDA runtime is found")
+    )
+
+
+class Console:
+    """Rank 0's step lines (every ``log_every`` steps and the last) or progress bar."""
+
+    def __init__(self, steps: int, log_every: int, printing: bool) -> None:
+        self.steps, self.log_every, self.printing = steps, log_every, printing
+        self.first: tuple[int, float] | None = None
+        self.bar = None
+        if printing and sys.stdout.isatty():  # a terminal: one progress bar instead of lines
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, unit="step", dynamic_ncols=True)
+
+    def step(self, log: StepLog) -> None:
+        self.first = self.first or (log.step, time.perf_counter())
+        if self.bar is not None:
+            self.bar.n = log.step
+            rate = log.tokens / log.seconds if log.seconds > 0 else 0.0
+            self.bar.set_postfix(loss=f"{log.loss:.4f}", lr=f"{log.lr:.2g}", tok_s=f"{rate:.0f}")
+        elif self.printing and (log.step % self.log_every == 0 or log.step == self.steps):
+            print(self.line(log), flush=True)
+
+    def close(self, logs: list[StepLog], output_dir: str | None) -> None:
+        """The bar closed and the summary line."""
+        if self.bar is not None:
+            self.bar.close()
+        if not self.printing:
+            return
+        if logs:
+            print(
+                f"done: steps {logs[0].step}..{logs[-1].step} of {self.steps}, "
+                f"loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}; run folder {output_dir}"
+            )
+        else:
+            print(f"done: nothing to run, the newest checkpoint already has {self.steps} steps")
+
+    def eta(self, log: StepLog) -> str:
+        """Remaining time at the pace since the first reported step (which includes the warmup
+        of the first step: compiles, allocations); "--" until there is a pace."""
+        if self.first is None or log.step == self.first[0]:
+            return "--"
+        elapsed = time.perf_counter() - self.first[1]
+        left = elapsed / (log.step - self.first[0]) * (self.steps - log.step)
+        return f"{int(left // 60)}:{int(left % 60):02d}"
+
+    def line(self, log: StepLog) -> str:
+        steps = self.steps
+        rate = log.tokens / log.seconds if log.seconds > 0 else float("nan")
+        line = (
+            f"step {log.step:>{len(str(steps))}}/{steps}  loss {log.loss:.4f}  ce {log.ce:.4f}  "
+            f"aux {log.aux:.4f}  grad_norm {log.grad_norm:.3f}  lr {log.lr:.3g}  "
+            f"tokens {log.tokens}  {rate:.0f} tok/s  {log.seconds * 1000:.0f} ms  "
+            f"eta {self.eta(log)}"
+        )
+        if log.fill is not None:
+            line += f"  fill {log.fill:.2f}"
+        if log.eval_loss is not None:
+            line += f"  eval {log.eval_loss:.4f}  accuracy {log.eval_accuracy:.3f}"
+        return line

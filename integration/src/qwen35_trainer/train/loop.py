@@ -1,0 +1,323 @@
+"""The training loop: one process, or any ``(dp_replicate, dp, cp, tp, ep)`` layout.
+
+Why the ranks take the same step as one process on the global batch: the model is built on the
+meta device, parallelised, then each rank materialises its shards of the same initial weights
+(name-seeded, or read from ``model.weights``; :mod:`qwen35_trainer.model.build`), takes its tokens of the step's global batch (its data-parallel
+group's rows, and under CP its pieces of the packed row; TP peers take the same) and
+backpropagates its SHARE of the global loss (:mod:`qwen35_trainer.model.objective`); every gradient
+reduction is a SUM (:mod:`qwen35_trainer.parallel.apply`), so the reduced gradient is the
+gradient of the global loss. The valid labels of ALL the step's micro-batches are counted once
+before the first forward (one all-reduce), so with ``train.grad_accum_steps`` the micro-batches'
+shares add up to the same loss. Clipping uses the norm of the full gradients over every mesh,
+the same number on every rank (:func:`fsdp_compat.clip_grad_norm`), and the optimizer
+(:func:`safe_optim.build_optimizer`, safe with empty local shards) updates each shard as the
+single process updates the whole tensor.
+
+One process is the same program: it runs on a one-rank process group made here (kept for the
+life of the process, so the returned model's DTensor parameters stay usable), through the same
+meshes and FSDP2 wrapping as any layout. ``train.dtype: bfloat16``: FSDP2 mixed precision (bf16
+parameters and compute, fp32 sharded master weights, fp32 reduction), so one process and
+every layout round alike.
+
+The logged loss is the sum of the shares over the loss group (one all-reduce), i.e. the global
+batch's loss, identical on every rank. The loop is made of units a test or a user can drive:
+the step (:func:`qwen35_trainer.train.step.train_step`), the schedule
+(:func:`qwen35_trainer.train.schedule.lr_at`, re-applied every step, so a resumed run follows the
+recipe it is started with), the run folder (:mod:`qwen35_trainer.train.run_folder`) and the
+checkpoints (:mod:`qwen35_trainer.train.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from qwen35_trainer.data.feed import Feed
+from qwen35_trainer.model import build_training_model, export_hf
+from qwen35_trainer.model.flops import peak_flops
+from qwen35_trainer.model.objective import TrainingObjective
+from qwen35_trainer.parallel import Layout, ParallelDims, validate_layout
+from qwen35_trainer.parallel.dist import device as this_device
+from qwen35_trainer.parallel.dist import init_distributed, rank, world
+from qwen35_trainer.recipe import Recipe
+from qwen35_trainer.train.checkpoint import (
+    AsyncCheckpointer,
+    load_checkpoint,
+    newest_loadable,
+    save_checkpoint,
+)
+from qwen35_trainer.train.console import what_runs
+from qwen35_trainer.train.determinism import deterministic_mode, prepare_cuda
+from qwen35_trainer.train.metrics import StepLog
+from qwen35_trainer.train.nonfinite import NonFiniteGuard, NonFiniteStep
+from qwen35_trainer.train.preemption import Preempted, StopFlag
+from qwen35_trainer.train.run_folder import RunFolder, resolved_recipe
+from qwen35_trainer.train.schedule import lr_at, set_lr
+from qwen35_trainer.train.step import evaluate, peak_memory_mib, train_step
+from safe_optim import build_optimizer
+
+__all__ = ["Setup", "StepLog", "TrainResult", "setup", "start_processes", "train"]
+
+logger = logging.getLogger("qwen35_trainer")
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """The step logs, the trained objective (its parameters are DTensors: shards on this
+    rank's meshes, whole on one process's one-rank group) and its optimizer (with this rank's
+    state)."""
+
+    logs: list[StepLog]
+    objective: TrainingObjective
+    optimizer: torch.optim.Optimizer | None = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained model's state as plain, whole tensors (each DTensor shard gathered; under
+        a launch every rank must call it), in transformers' names."""
+        return {
+            name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in self.objective.model.state_dict().items()
+        }
+
+
+def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -> TrainResult:
+    """Run ``recipe.train.steps`` optimizer steps, streaming each step's log to ``on_step``.
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) the process group is created here unless it exists.
+    """
+    dims = start_processes(recipe)
+    with deterministic_mode(recipe.train.deterministic):
+        return _train(recipe, on_step, dims)
+
+
+def start_processes(recipe: Recipe) -> ParallelDims:
+    """The recipe's layout, validated against the launch before any collective (one message
+    with every reason), and the process group: torchrun's, or a one-rank group for one
+    process."""
+    launched = world() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    dims = validate_layout(recipe, launched)
+    prepare_cuda(recipe.train.deterministic)
+    init_distributed()
+    return dims
+
+
+@dataclasses.dataclass
+class Setup:
+    """What a run trains, on this rank: the objective (the model parallelised and materialised),
+    its optimizer, where this rank sits, its device and the aux-loss coefficient."""
+
+    objective: TrainingObjective
+    optimizer: torch.optim.Optimizer
+    layout: Layout
+    device: torch.device
+    aux_coef: float
+
+
+def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
+    """The recipe's model as every run trains it on this rank
+    (:func:`qwen35_trainer.model.build_training_model`) and its optimizer, after
+    :func:`start_processes` (``dims``: what it returned)."""
+    device = this_device()
+    objective, layout = build_training_model(recipe, device, dims=dims)
+    model, spec = objective.model, recipe.train
+    optimizer = build_optimizer(
+        objective.parameters(),
+        optimizer_name(spec.optimizer),
+        lr=spec.lr,
+        betas=spec.betas,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
+    )
+    coef = spec.router_aux_loss_coef
+    coef = model.config.text_config.router_aux_loss_coef if coef is None else coef
+    return Setup(objective, optimizer, layout, device, coef)
+
+
+def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
+    run = setup(recipe, dims)
+    objective, optimizer, layout, device = run.objective, run.optimizer, run.layout, run.device
+    model, spec = objective.model, recipe.train
+    if spec.prewarm:
+        from setup_prewarm import prewarm
+
+        report = prewarm(objective, device=device)
+        logger.info("prewarm:\n%s", report.table())
+    folder = RunFolder(spec.output_dir, recipe, rank()) if spec.output_dir else None
+    for line in what_runs(recipe, world(), device):
+        logger.info(line)
+        if folder is not None:
+            folder.note(line)
+    checkpoints = spec.checkpoint_dir
+    if checkpoints is None and spec.output_dir and spec.checkpoint_every:
+        checkpoints = os.path.join(spec.output_dir, "checkpoints")
+    start, damaged = _resume(checkpoints, objective, optimizer, spec.verify_checkpoints)
+    for message in damaged:
+        logger.warning(message)
+        if folder is not None:
+            folder.note(message)
+    feed = Feed(recipe, model.config, layout, device)
+    if start:
+        feed.restore(Path(checkpoints) / f"step_{start:06d}")
+        messages = [f"resumed from step {start} of {checkpoints}"]
+        messages += _changed_on_resume(Path(checkpoints) / f"step_{start:06d}", recipe)
+        for message in messages:
+            logger.info(message)
+            if folder is not None:
+                folder.note(message)
+    logs = []
+    stop = StopFlag()
+    try:
+        with stop.installed():
+            for log in _steps(run, recipe, feed, checkpoints, start, stop):
+                logs.append(log)
+                if folder is not None:
+                    folder.record(log)
+                if on_step is not None:
+                    on_step(log)
+    except NonFiniteStep as failed:
+        failed.result = TrainResult(logs, objective, optimizer)
+        raise
+    finally:
+        if folder is not None:
+            folder.close()
+    if spec.export_dir:
+        export_hf(objective.model, spec.export_dir)
+    return TrainResult(logs, objective, optimizer)
+
+
+def _steps(
+    run: Setup, recipe: Recipe, feed: Feed, checkpoints: str | None, start: int, stop: StopFlag
+) -> Iterator[StepLog]:
+    """Steps ``start`` .. ``train.steps``, each one's log yielded once it is taken; checkpoints
+    as the recipe asks; stops (saving) after a step when any rank got a preemption signal, and
+    raises :class:`NonFiniteStep` after yielding a non-finite step's log when the recipe says
+    stop. With ``train.async_checkpoint`` a checkpoint is completed by the next one, or before
+    the loop returns or stops."""
+    objective, optimizer, layout, device = run.objective, run.optimizer, run.layout, run.device
+    spec, coef = recipe.train, run.aux_coef
+    peak = peak_flops(device)
+    ranks = world()
+    writer = AsyncCheckpointer() if checkpoints and spec.async_checkpoint else None
+    guard = NonFiniteGuard(spec.on_nonfinite, spec.max_skipped_steps)
+    for step in range(start, spec.steps):
+        began = time.perf_counter()
+        lr = lr_at(step, spec)
+        set_lr(optimizer, lr)
+        micro, data = feed.step(step)
+        result = train_step(
+            objective,
+            optimizer,
+            micro,
+            layout,
+            aux_coef=coef,
+            grad_clip=spec.grad_clip,
+            device=device,
+        )
+        seconds = time.perf_counter() - began
+        loss = result.ce + coef * result.aux
+        failed = guard.check(step + 1, loss, result, data.sources)
+        eval_every, held_out = spec.eval_every, None
+        if not failed and eval_every and ((step + 1) % eval_every == 0 or step + 1 == spec.steps):
+            held_out = evaluate(
+                recipe, objective, layout, feed.eval_batches(), aux_coef=coef, device=device
+            )
+        log = StepLog(
+            step + 1,
+            loss,
+            result.ce,
+            result.aux,
+            result.grad_norm,
+            result.tokens,
+            seconds,
+            lr=lr,
+            eval_loss=held_out.loss if held_out else None,
+            eval_accuracy=held_out.accuracy if held_out else None,
+            data_seconds=data.seconds,
+            fill=data.fill,
+            over_capacity=data.over_capacity,
+            bad_rows=data.bad_rows,
+            peak_memory_mib=peak_memory_mib(device),
+            expert_load_max_over_mean=result.expert_load_max_over_mean,
+            experts_idle=result.experts_idle,
+            cp_imbalance=result.cp_imbalance,
+            mfu=result.flops / (seconds * ranks * peak) if peak and seconds > 0 else None,
+            skipped_steps=guard.skipped,
+        )
+        yield log
+        if failed:
+            if writer is not None:
+                writer.wait()  # the checkpoint being written completes: it stays the newest
+            raise failed
+        every = spec.checkpoint_every
+        stopping = stop.agreed(device)
+        due = step + 1 == spec.steps or (every and (step + 1) % every == 0)
+        if checkpoints and (due or stopping):
+            save_checkpoint(
+                checkpoints,
+                step + 1,
+                objective,
+                optimizer,
+                keep=spec.keep_checkpoints,
+                files={"recipe.yaml": resolved_recipe(recipe), **feed.state_file()},
+                background=writer,
+            )
+        if stopping and writer is not None:
+            writer.wait()
+        if stopping:
+            where = f"{checkpoints}/step_{step + 1:06d}" if checkpoints else None
+            logger.info("stopping on a signal after step %d (saved: %s)", step + 1, where)
+            raise Preempted(step + 1, where)
+    if writer is not None:
+        writer.wait()
+
+
+# Recipe values that may change between a checkpoint and its resumption (re-applied from the
+# recipe the run is started with, not taken from the checkpoint).
+RESUMABLE_CHANGES = ("lr", "schedule", "warmup_steps", "lr_floor", "steps")
+
+
+def optimizer_name(name: str) -> str:
+    """``train.optimizer`` resolved: ``auto`` is TransformerEngine's fused Adam (AdamW-style
+    decay, fp32 moments) where TE imports, else torch's AdamW (said once)."""
+    if name != "auto":
+        return name
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
+        logger.info("train.optimizer=auto: TransformerEngine is not installed, using adamw")
+        return "adamw"
+    return "te_fused_adam"
+
+
+def _changed_on_resume(path: Path, recipe: Recipe) -> list[str]:
+    """One line per :data:`RESUMABLE_CHANGES` value that differs from the checkpoint's recipe."""
+    saved = path / "recipe.yaml"
+    if not saved.is_file():
+        return []
+    before = yaml.safe_load(saved.read_text()).get("train", {})
+    now = dataclasses.asdict(recipe.train)
+    return [
+        f"train.{k} changed on resume: {before[k]!r} -> {now[k]!r} (the new value applies)"
+        for k in RESUMABLE_CHANGES
+        if k in before and before[k] != now[k]
+    ]
+
+
+def _resume(checkpoints: str | None, objective, optimizer, checksums: bool):
+    """``(steps already done, messages)``: 0, or those of the newest loadable checkpoint under
+    ``checkpoints`` (the same on every rank; newer damaged ones skipped, each with a warning
+    among the messages)."""
+    if not checkpoints:
+        return 0, []
+    path, warnings = newest_loadable(checkpoints, checksums=checksums)
+    if path is None:
+        return 0, warnings
+    return load_checkpoint(path, objective, optimizer, verified=True), warnings
