@@ -5,13 +5,17 @@ parallelism the dense parameters are DTensors on the FSDP mesh and the experts o
 mesh (FSDP × EP); under TP the sharded weights add a TP dim. ``torch.nn.utils.clip_grad_norm_``
 stacks the per-parameter norms into one tensor and cannot mix DTensors of different meshes.
 
-Correctness argument: the total norm is ``sqrt(sum over parameters of ||grad||^2)``. Per mesh,
-the squared norms are summed with DTensor arithmetic (``vector_norm`` of a sharded DTensor is a
-``Partial`` result, so every shard counts once and a replica is not counted twice), and each
-mesh's sum is materialised with ``full_tensor``, which reduces over exactly that mesh's ranks
-and gives the same number on every rank. Summing the per-mesh values gives the global squared
-norm on every rank, so every rank scales by the same coefficient, as one process would. Plain
-tensors (one process) are grouped by device.
+Correctness argument: the total norm is ``sqrt(sum over parameters of ||grad||^2)``. The
+gradients are grouped by mesh and placements. In a group each rank sums the squares of its
+local shards; a ``Shard`` dim holds disjoint pieces, so the sum over that dim's ranks counts
+every element once, and a ``Replicate`` dim holds copies, so it is not summed over. ONE
+all-reduce per group, over the sharded dims flattened into one group, gives the group's squared
+norm, the same number on every rank (DTensor's own reduction of a norm sharded on two dims runs
+two sequential all-reduces and warns that the result may differ between ranks). A group with a
+``Partial`` gradient, or sharded on several dims of a mesh that cannot be flattened (dims
+without names, or already flattened), is reduced by DTensor itself (``full_tensor``). Summing the groups gives the global squared norm on every rank, so every rank
+scales by the same coefficient, as one process would. Plain tensors (one process) are grouped
+by device.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from fsdp_compat.mesh import flatten_mesh
 
 __all__ = ["clip_grad_norm"]
 
@@ -51,15 +58,11 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> fl
     """
     _check_max_norm(max_norm)
     grads = [p.grad for p in params if p.grad is not None]
-    by_mesh: dict[object, list[torch.Tensor]] = {}
+    groups: dict[object, list[torch.Tensor]] = {}
     for g in grads:
-        key = g.device_mesh if isinstance(g, DTensor) else g.device
-        by_mesh.setdefault(key, []).append(g)
-    total_sq = 0.0
-    for group in by_mesh.values():
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in group])
-        sq = torch.linalg.vector_norm(norms) ** 2
-        total_sq += float(sq.full_tensor() if isinstance(sq, DTensor) else sq)
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else g.device
+        groups.setdefault(key, []).append(g)
+    total_sq = sum(float(_squared_norm(group)) for group in groups.values())
     total = math.sqrt(total_sq)
     if max_norm is not None and math.isfinite(total):
         coef = max_norm / (total + 1e-6)
@@ -67,3 +70,32 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> fl
             for g in grads:
                 g.mul_(coef)
     return total
+
+
+def _squared_norm(group: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squared norms of ``group`` (one mesh and placements, or plain tensors of
+    one device), the same value on every rank of the mesh."""
+    first = group[0]
+    if not isinstance(first, DTensor):
+        return _local_squares(group)
+    mesh, placements = first.device_mesh, first.placements
+    # every dim that does not replicate: Shard, and FSDP's _StridedShard (not an is_shard())
+    sharded = [i for i, p in enumerate(placements) if not p.is_replicate()]
+    names = mesh.mesh_dim_names or ()
+    root_names = mesh._get_root_mesh().mesh_dim_names or ()
+    flattenable = len(sharded) < 2 or (names and set(names) <= set(root_names))
+    if any(p.is_partial() for p in placements) or not flattenable:
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in group])
+        return (torch.linalg.vector_norm(norms) ** 2).full_tensor()
+    squares = _local_squares([g.to_local() for g in group])
+    if len(sharded) == 1:
+        dist.all_reduce(squares, group=mesh.get_group(sharded[0]))
+    elif sharded:
+        dims = [names[i] for i in sharded]
+        dist.all_reduce(squares, group=flatten_mesh(mesh, dims).get_group())
+    return squares
+
+
+def _local_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors])
+    return torch.linalg.vector_norm(norms) ** 2
