@@ -1,7 +1,7 @@
 """The training loop's data: each step's micro-batches from the synthetic stream (a pure function
 of the step) or from a conversation dataset (:class:`~qwen35_trainer.data.loader.DataStream`,
-whose position travels with the checkpoints as ``data_state.json``: every shard's cursor,
-gathered by one all-reduce).
+whose position — every shard's cursor, gathered by one all-reduce — is the feed's state dict,
+saved with each checkpoint).
 
 A step's samples (synthetic) or packed rows (dataset) are split into ``train.grad_accum_steps``
 equal consecutive parts, one per micro-batch; a part's documents become one packed row
@@ -12,9 +12,7 @@ held-out batches are built exactly as the training ones.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,9 +23,7 @@ from qwen35_trainer.data.loader import DataStream
 from qwen35_trainer.data.packing import pack, pad_token_id
 from qwen35_trainer.data.synthetic import HELD_OUT_INDEX, rank_samples
 
-__all__ = ["DATA_STATE", "Feed", "StepCounts", "micro_batches", "row_micro_batches"]
-
-DATA_STATE = "data_state.json"
+__all__ = ["Feed", "StepCounts", "micro_batches", "row_micro_batches"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,33 +79,23 @@ class Feed:
             held_out.next_step().rows, recipe, config, layout, device
         )
 
-    def state_file(self) -> dict[str, str]:
-        """``{data_state.json: ...}`` for the checkpoint (every rank calls it: one all-reduce),
-        or ``{}`` for the synthetic stream."""
+    def state_dict(self) -> dict | None:
+        """Where the dataset stream stands — every shard's cursor, gathered over the ranks
+        (every rank calls it: one all-reduce) — or ``None`` for the synthetic stream (a pure
+        function of the step)."""
         if self.stream is None:
-            return {}
+            return None
         state = self.stream.state_dict()
         cursors = torch.zeros(state["shards"], dtype=torch.long, device=self.device)
         for shard, j in state["cursors"].items():
             cursors[shard] = j
         if dist.is_initialized():
             dist.all_reduce(cursors, op=dist.ReduceOp.MAX)  # each shard is one rank's (or peers')
-        return {DATA_STATE: json.dumps({"shards": state["shards"], "cursors": cursors.tolist()})}
+        return {"shards": state["shards"], "cursors": cursors.tolist()}
 
-    def restore(self, checkpoint: Path) -> None:
-        """Continue the dataset where the checkpoint's run stopped."""
-        if self.stream is None:
-            return
-        file = checkpoint / DATA_STATE
-        if not file.is_file():
-            raise ValueError(
-                f"{checkpoint} has no {DATA_STATE}: it was saved by a run without a "
-                "dataset, so where to continue in this one is unknown"
-            )
-        try:
-            self.stream.load_state_dict(json.loads(file.read_text()))
-        except ValueError as error:
-            raise ValueError(f"{file}: {error}") from error
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the dataset where :meth:`state_dict` was taken."""
+        self.stream.load_state_dict(state)
 
 
 def micro_batches(

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import re
 import shutil
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.parallel.dist import all_ranks, rank, world
 from qwen35_trainer.train.integrity import (
     DAMAGED,
@@ -70,18 +72,48 @@ from qwen35_trainer.train.safe_load import (
 )
 
 __all__ = [
+    "DATA_STATE",
     "AsyncCheckpointer",
     "DamagedCheckpointError",
     "UnsafeCheckpointError",
     "agreed_verdict",
     "checkpoints_in",
+    "data_state_files",
     "load_checkpoint",
     "load_model_weights",
     "newest_loadable",
+    "restore_data_state",
     "save_checkpoint",
 ]
 
 logger = logging.getLogger("qwen35_trainer")
+
+DATA_STATE = "data_state.json"  # a run's dataset position (Feed.state_dict), with its checkpoint
+
+
+def data_state_files(feed: Feed) -> dict[str, str]:
+    """``{data_state.json: the feed's state}`` for :func:`save_checkpoint`'s ``files`` (every
+    rank calls it: one all-reduce), or ``{}`` for the synthetic stream."""
+    state = feed.state_dict()
+    return {} if state is None else {DATA_STATE: json.dumps(state)}
+
+
+def restore_data_state(feed: Feed, checkpoint: Path) -> None:
+    """Continue ``feed``'s dataset where the checkpoint's run stopped (nothing to do for the
+    synthetic stream); ``ValueError`` naming the file when it is missing or does not fit."""
+    if feed.stream is None:
+        return
+    file = checkpoint / DATA_STATE
+    if not file.is_file():
+        raise ValueError(
+            f"{checkpoint} has no {DATA_STATE}: it was saved by a run without a dataset, so "
+            "where to continue in this one is unknown"
+        )
+    try:
+        feed.load_state_dict(json.loads(file.read_text()))
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from error
+
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 

@@ -50,8 +50,10 @@ from qwen35_trainer.parallel.dist import init_distributed, rank, world
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.train.checkpoint import (
     AsyncCheckpointer,
+    data_state_files,
     load_checkpoint,
     newest_loadable,
+    restore_data_state,
     save_checkpoint,
 )
 from qwen35_trainer.train.console import what_runs
@@ -165,7 +167,7 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
             folder.note(message)
     feed = Feed(recipe, model.config, layout, device)
     if start:
-        feed.restore(Path(checkpoints) / f"step_{start:06d}")
+        restore_data_state(feed, Path(checkpoints) / f"step_{start:06d}")
         messages = [f"resumed from step {start} of {checkpoints}"]
         messages += _changed_on_resume(Path(checkpoints) / f"step_{start:06d}", recipe)
         for message in messages:
@@ -266,7 +268,7 @@ def _steps(
                 objective,
                 optimizer,
                 keep=spec.keep_checkpoints,
-                files={"recipe.yaml": resolved_recipe(recipe), **feed.state_file()},
+                files={"recipe.yaml": resolved_recipe(recipe), **data_state_files(feed)},
                 background=writer,
             )
         if stopping and writer is not None:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.recipe import Recipe
-from qwen35_trainer.train.checkpoint import checkpoints_in, load_checkpoint
+from qwen35_trainer.train.checkpoint import checkpoints_in, load_checkpoint, restore_data_state
 from qwen35_trainer.train.determinism import deterministic_mode
 from qwen35_trainer.train.loop import setup, start_processes
 from qwen35_trainer.train.nonfinite import global_sources
@@ -133,7 +133,7 @@ def _replay(recipe: Recipe, path: Path, step: int) -> Replay:
             f"{done + 1}..{recipe.train.steps} of this recipe, not {step}"
         )
     feed = Feed(recipe, run.objective.model.config, run.layout, run.device)
-    feed.restore(path)
+    restore_data_state(feed, path)
     kwargs = dict(aux_coef=run.aux_coef, grad_clip=recipe.train.grad_clip, device=run.device)
     norms: dict[str, float] = {}
 
