@@ -5,7 +5,6 @@ directory written by ``save_pretrained`` with that processor beside it."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -68,24 +67,9 @@ def byte_processor(folder: Path, template: str, demo_processor: Path) -> Path:
         "preprocessor_config.json",
         "video_preprocessor_config.json",
         "processor_config.json",
+        "tokenizer_config.json",
     ):
         shutil.copy(demo_processor / name, folder / name)
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "pad_token": "<|endoftext|>",
-                "eos_token": "<|im_end|>",
-                "model_max_length": 131072,
-                "extra_special_tokens": {
-                    "image_token": "<|image_pad|>",
-                    "video_token": "<|video_pad|>",
-                    "vision_start_token": "<|vision_start|>",
-                    "vision_end_token": "<|vision_end|>",
-                },
-            }
-        )
-    )
     return folder
 
 
