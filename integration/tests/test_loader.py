@@ -29,7 +29,7 @@ def _stream(recipe, rank: int = 0, dp: int = 1) -> DataStream:
     return DataStream(
         recipe,
         build_config(recipe.model),
-        Layout(data_index=rank, data_size=dp),
+        Layout(data_group=rank, data_groups=dp),
         torch.device("cpu"),
     )
 

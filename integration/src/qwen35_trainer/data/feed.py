@@ -105,7 +105,7 @@ def micro_batches(
     (``offset``: the stream's first sample index, :data:`HELD_OUT_INDEX` for held-out batches),
     and its documents' sources."""
     samples = rank_samples(
-        recipe.model, recipe.data, step, layout.data_index, layout.data_size, offset=offset
+        recipe.model, recipe.data, step, layout.data_group, layout.data_groups, offset=offset
     )
     parts = _split(samples, recipe.train.grad_accum_steps, "data.samples_per_rank", "samples")
     micro = _micro(parts, recipe, config, layout, device, recipe.data.pack_length)

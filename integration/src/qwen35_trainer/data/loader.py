@@ -272,10 +272,10 @@ class DataStream:
         }
         self.max_skipped = max_skipped
         self.skipped: list[str] = []  # the bad rows skipped so far (data.on_bad_row: skip)
-        dp = layout.data_size
+        dp = layout.data_groups
         self.shard_count = data.rows_per_step(dp)
         per_rank = self.shard_count // dp
-        self.shards = list(range(layout.data_index * per_rank, (layout.data_index + 1) * per_rank))
+        self.shards = list(range(layout.data_group * per_rank, (layout.data_group + 1) * per_rank))
         self.next_j = dict.fromkeys(self.shards, 0)  # per shard: the next document to read
         self._pending: dict[int, collections.deque] = {s: collections.deque() for s in self.shards}
         self._iterator = None
@@ -419,7 +419,7 @@ class DataStream:
         if failed:
             raise DataError(f"bad data on rank(s) {failed} (their error names the file and row)")
         # the CP / TP peers of a data-parallel rank read the same rows: count each group once
-        return (flags[world:] // (world // self.layout.data_size)).tolist()
+        return (flags[world:] // (world // self.layout.data_groups)).tolist()
 
 
 def _identity(x):

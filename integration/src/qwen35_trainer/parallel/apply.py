@@ -32,7 +32,7 @@ one-process gradient. Why each reduction sums exactly the right contributions:
 
 This rank's :class:`Layout` — which tokens it holds and which groups its collectives use — is
 read from mesh coordinates, never computed from the global rank, so no rank order is assumed:
-``data_index`` of ``data_size`` (which data-parallel group's rows it takes); under CP the ranks
+``data_group`` of ``data_groups`` (which data-parallel group's rows it takes); under CP the ranks
 of ``cp_group`` share one packed row; ``loss_group``: every rank holding different tokens
 (``dp_replicate × dp_shard × cp``; TP peers hold the same tokens and are left out so nothing is
 counted twice), over which the valid-label count, the aux-loss statistics and the logged totals
@@ -75,8 +75,8 @@ FSDP_UNITS = ("Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock")
 class Layout:
     """Where this rank sits (one process: the defaults)."""
 
-    data_index: int = 0
-    data_size: int = 1
+    data_group: int = 0
+    data_groups: int = 1
     loss_group: Any = None
     cp: int = 1
     cp_group: Any = None
@@ -86,8 +86,8 @@ class Layout:
     def from_meshes(cls, meshes: Meshes) -> Layout:
         dims = meshes.dims
         return cls(
-            data_index=meshes.data_index(),
-            data_size=dims.data_parallel,
+            data_group=meshes.data_group(),
+            data_groups=dims.data_groups,
             loss_group=meshes.batch.get_group() if dims.batch > 1 else None,
             cp=dims.cp,
             cp_group=meshes.cp.get_group() if dims.cp > 1 else None,

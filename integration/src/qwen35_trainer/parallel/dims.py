@@ -1,12 +1,13 @@
 """``ParallelDims``: every parallel degree of a run, validated once, and every device mesh.
 
-Degrees: ``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP-sharded data-parallel ranks;
-recipe ``parallel.dp``), ``cp`` (context-parallel ranks sharing one packed row), ``tp``
-(tensor-parallel ranks holding the same tokens) and ``ep`` (expert-parallel ranks). The world is
-``dp_replicate * dp_shard * cp * tp``; EP adds no ranks: it BORROWS them from the
-``dp_shard * cp`` ranks that hold different tokens (the rule of torchtitan's ParallelDims), so
-``ep`` must divide ``dp_shard * cp`` and the remaining factor ``efsdp = dp_shard * cp / ep`` is
-the experts' FSDP dimension.
+Degrees, named as in the recipe's ``parallel`` section: ``dp_replicate`` (HSDP replicas),
+``dp`` (FSDP-sharded data-parallel ranks; its mesh dim is ``dp_shard``), ``cp``
+(context-parallel ranks sharing one packed row), ``tp`` (tensor-parallel ranks holding the same
+tokens) and ``ep`` (expert-parallel ranks). The world is ``dp_replicate * dp * cp * tp``; EP
+adds no ranks: it BORROWS them from the ``dp * cp`` ranks that hold different tokens (the rule
+of torchtitan's ParallelDims), so ``ep`` must divide ``dp * cp`` and the remaining factor
+``efsdp = dp * cp / ep`` is the experts' FSDP dimension. ``data_groups = dp_replicate * dp``:
+the data-parallel groups, each taking its own rows.
 
 The meshes (built once by :meth:`ParallelDims.build`; nothing else in the trainer builds one):
 
@@ -15,12 +16,12 @@ The meshes (built once by :meth:`ParallelDims.build`; nothing else in the traine
   group) and ``dp_shard_cp`` (the FSDP shard group of the dense parameters, replicated over
   ``dp_replicate`` for HSDP);
 - ``expert`` (``ep > 1``): ``(dp_replicate, efsdp, ep, tp)`` over the SAME ranks. Its rank grid
-  is the dense grid with ``dp_shard`` split as ``(dp_shard / e_dp, e_dp)`` and ``cp`` as
+  is the dense grid with ``dp_shard`` split as ``(dp / e_dp, e_dp)`` and ``cp`` as
   ``(cp / e_cp, e_cp)`` where ``ep = e_dp * e_cp``, the EP factors moved inside:
   ``ep_first="cp"`` takes ``e_cp = gcd(ep, cp)`` (EP 8 inside CP 32, as the published 122B run;
   EP equal to a CP group; EP spanning CP groups when ``ep > cp``), ``ep_first="dp"`` takes
-  ``e_dp = gcd(ep, dp_shard)`` first. ``gcd`` always leaves a cofactor dividing the other dim
-  when ``ep`` divides ``dp_shard * cp`` (``ep / g`` and ``cp / g`` are coprime), so the check
+  ``e_dp = gcd(ep, dp)`` first. ``gcd`` always leaves a cofactor dividing the other dim
+  when ``ep`` divides ``dp * cp`` (``ep / g`` and ``cp / g`` are coprime), so the check
   below is exactly the condition.
 
 Correctness argument: the expert grid is derived from the dense mesh's own rank tensor (no rank
@@ -53,7 +54,7 @@ class MeshAxis(enum.StrEnum):
     DP_SHARD = "dp_shard"  # FSDP-sharded data-parallel ranks (recipe parallel.dp)
     CP = "cp"
     TP = "tp"
-    EFSDP = "efsdp"  # the experts' FSDP dim: dp_shard * cp / ep
+    EFSDP = "efsdp"  # the experts' FSDP dim: dp * cp / ep
     EP = "ep"
     BATCH = "batch"  # flattened dp_replicate x dp_shard x cp: the loss group
 
@@ -88,10 +89,10 @@ class Meshes:
             return self.expert[MeshAxis.DP_REPLICATE, MeshAxis.EFSDP]
         return self.expert[MeshAxis.EFSDP]
 
-    def data_index(self) -> int:
-        """Which data-parallel group's rows this rank takes (0 .. dp_replicate·dp_shard - 1)."""
+    def data_group(self) -> int:
+        """Which data-parallel group's rows this rank takes (0 .. dp_replicate·dp - 1)."""
         r, d, _, _ = self.dense.get_coordinate()
-        return r * self.dims.dp_shard + d
+        return r * self.dims.dp + d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,7 @@ class ParallelDims:
     """The degrees of a run; invalid combinations raise ``ValueError`` with every reason."""
 
     world: int
-    dp_shard: int = 1
+    dp: int = 1
     dp_replicate: int = 1
     cp: int = 1
     tp: int = 1
@@ -115,7 +116,7 @@ class ParallelDims:
         """Why this layout cannot run (empty when it can)."""
         names = {
             "parallel.dp_replicate": self.dp_replicate,
-            "parallel.dp": self.dp_shard,
+            "parallel.dp": self.dp,
             "parallel.cp": self.cp,
             "parallel.tp": self.tp,
             "parallel.ep": self.ep,
@@ -128,18 +129,18 @@ class ParallelDims:
         if bad:
             return bad
         reasons = []
-        ranks = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        ranks = self.dp_replicate * self.dp * self.cp * self.tp
         if ranks != self.world:
             reasons.append(
-                f"parallel.dp_replicate={self.dp_replicate} x dp={self.dp_shard} x "
+                f"parallel.dp_replicate={self.dp_replicate} x dp={self.dp} x "
                 f"cp={self.cp} x tp={self.tp} = {ranks} ranks, but the launched world size "
                 f"(WORLD_SIZE) is {self.world}: launch with `torchrun --nproc-per-node {ranks} "
                 "...` or change the degrees (EP borrows ranks, it adds none)"
             )
-        if (self.dp_shard * self.cp) % self.ep:
+        if (self.dp * self.cp) % self.ep:
             reasons.append(
                 f"parallel.ep={self.ep} must divide parallel.dp x parallel.cp = "
-                f"{self.dp_shard * self.cp}: expert parallelism borrows its ranks from the "
+                f"{self.dp * self.cp}: expert parallelism borrows its ranks from the "
                 "data-parallel and context-parallel ranks, which hold different tokens"
             )
         if self.ep_first not in EP_FIRST:
@@ -149,30 +150,30 @@ class ParallelDims:
     @property
     def batch(self) -> int:
         """Ranks holding different tokens of the global batch (TP peers hold the same)."""
-        return self.dp_replicate * self.dp_shard * self.cp
+        return self.dp_replicate * self.dp * self.cp
 
     @property
-    def data_parallel(self) -> int:
+    def data_groups(self) -> int:
         """Data-parallel groups, each taking its own rows."""
-        return self.dp_replicate * self.dp_shard
+        return self.dp_replicate * self.dp
 
     @property
     def efsdp(self) -> int:
-        return self.dp_shard * self.cp // self.ep
+        return self.dp * self.cp // self.ep
 
     @property
     def ep_factors(self) -> tuple[int, int]:
-        """``(e_dp, e_cp)``: how many dp_shard and cp ranks one EP group spans."""
+        """``(e_dp, e_cp)``: how many dp and cp ranks one EP group spans."""
         if self.ep_first == "cp":
             e_cp = math.gcd(self.ep, self.cp)
             return self.ep // e_cp, e_cp
-        e_dp = math.gcd(self.ep, self.dp_shard)
+        e_dp = math.gcd(self.ep, self.dp)
         return e_dp, self.ep // e_dp
 
     def expert_grid(self, dense_ranks: torch.Tensor) -> torch.Tensor:
         """[dp_replicate, efsdp, ep, tp] rank ids from the dense mesh's rank tensor."""
         e_dp, e_cp = self.ep_factors
-        r, d, c, t = self.dp_replicate, self.dp_shard, self.cp, self.tp
+        r, d, c, t = self.dp_replicate, self.dp, self.cp, self.tp
         grid = dense_ranks.reshape(r, d // e_dp, e_dp, c // e_cp, e_cp, t)
         return grid.permute(0, 1, 3, 2, 4, 5).reshape(r, self.efsdp, self.ep, t)
 
@@ -180,7 +181,7 @@ class ParallelDims:
         """Every mesh (all ranks must call it: each dim creates its process groups)."""
         a = MeshAxis
         names = (a.DP_REPLICATE, a.DP_SHARD, a.CP, a.TP)
-        shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        shape = (self.dp_replicate, self.dp, self.cp, self.tp)
         dense = init_device_mesh(device_type, shape, mesh_dim_names=names)
         batch = flatten_mesh(dense, (a.DP_REPLICATE, a.DP_SHARD, a.CP), a.BATCH)
         shard = flatten_mesh(dense, (a.DP_SHARD, a.CP))
@@ -198,7 +199,7 @@ class ParallelDims:
         """From a recipe's ``parallel`` section (``dp`` is the FSDP-sharded degree)."""
         return cls(
             world=world,
-            dp_shard=spec.dp,
+            dp=spec.dp,
             dp_replicate=spec.dp_replicate,
             cp=spec.cp,
             tp=spec.tp,

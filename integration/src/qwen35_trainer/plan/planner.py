@@ -107,7 +107,7 @@ def communication(model, dims, shape: Shape) -> dict[str, int]:
     b = shape.compute_bytes
     experts = sum(p.numel() for n, p in model.named_parameters() if "experts." in n)
     dense = sum(p.numel() for p in model.parameters()) - experts
-    shard = dims.dp_shard * dims.cp
+    shard = dims.dp * dims.cp
     efsdp = shard // dims.ep
 
     def ring(n: int) -> float:
