@@ -83,10 +83,10 @@ def open_rows(path: str, split: str = "train"):
     return rows, file.parent
 
 
-def _user_source(spec: str):
-    module, _, name = spec.partition(":")
+def _user_source(source: str):
+    module, _, name = source.partition(":")
     if not module or not name:
-        raise ValueError(f"data.source must be 'package.module:callable', got {spec!r}")
+        raise ValueError(f"data.source must be 'package.module:callable', got {source!r}")
     return getattr(importlib.import_module(module), name)
 
 
@@ -96,19 +96,19 @@ class RankDocuments(IterableDataset):
 
     def __init__(
         self,
-        spec: dict,
+        reading: dict,
         encoder: ConversationEncoder,
         shards: list[int],
         count: int,
         cursors: dict[int, int],
     ) -> None:
-        self.spec, self.encoder = spec, encoder
+        self.reading, self.encoder = reading, encoder
         self.shards, self.count, self.cursors = shards, count, cursors
 
     def _positions(self) -> Iterator[tuple[int, int, int]]:
         """``(shard, j, global position)`` of this reader's documents, increasing (below the
-        spec's ``limit`` when it has one)."""
-        limit = self.spec.get("limit")
+        reading's ``limit`` when it has one)."""
+        limit = self.reading.get("limit")
         for j in itertools.count(min(self.cursors.values())):
             for shard in self.shards:
                 if limit is not None and shard + self.count * j >= limit:
@@ -120,7 +120,7 @@ class RankDocuments(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         mine = itertools.islice(self._positions(), worker, None, workers)
-        if self.spec.get("source"):
+        if self.reading.get("source"):
             yield from self._from_source(mine)
         else:
             yield from self._from_file(mine)
@@ -132,24 +132,24 @@ class RankDocuments(IterableDataset):
             return shard, j, error
 
     def _from_file(self, mine: Iterator[tuple[int, int, int]]):
-        spec = self.spec
-        rows, base = open_rows(spec["path"], spec.get("split", "train"))
+        reading = self.reading
+        rows, base = open_rows(reading["path"], reading.get("split", "train"))
         n = len(rows)
         if n == 0:
-            raise DataError(f"data file {spec['path']} has no rows")
+            raise DataError(f"data file {reading['path']} has no rows")
         epoch, order = -1, range(n)
         for shard, j, position in mine:
             e, i = divmod(position, n)
-            if e != epoch and spec.get("shuffle", True):
-                g = torch.Generator().manual_seed(spec.get("seed", 0) * 1_000_003 + e)
+            if e != epoch and reading.get("shuffle", True):
+                g = torch.Generator().manual_seed(reading.get("seed", 0) * 1_000_003 + e)
                 order = torch.randperm(n, generator=g).tolist()
             epoch = e
-            yield self._encode(shard, j, rows[order[i]], f"{spec['path']}:{order[i]}", base)
+            yield self._encode(shard, j, rows[order[i]], f"{reading['path']}:{order[i]}", base)
 
     def _from_source(self, mine: Iterator[tuple[int, int, int]]):
         """The iterable's items in order (read again from the start when it ends); every
         worker reads them all and encodes its own."""
-        spec, make = self.spec, _user_source(self.spec["source"])
+        reading, make = self.reading, _user_source(self.reading["source"])
         shard, j, want = next(mine)
         g = 0
         while True:
@@ -157,11 +157,11 @@ class RankDocuments(IterableDataset):
             for row in make():
                 empty = False
                 if g == want:
-                    yield self._encode(shard, j, row, f"{spec['source']}:{g}", Path.cwd())
+                    yield self._encode(shard, j, row, f"{reading['source']}:{g}", Path.cwd())
                     shard, j, want = next(mine)
                 g += 1
             if empty:
-                raise DataError(f"data.source {spec['source']} yielded no rows")
+                raise DataError(f"data.source {reading['source']} yielded no rows")
 
 
 @dataclasses.dataclass
@@ -262,7 +262,7 @@ class DataStream:
             data, recipe.model, config, resolve(data.processor)
         )
         self.encoder.check_template()  # the same verdict on every rank, before any collective
-        self.spec = {
+        self.reading = {
             "path": resolve(data.eval_path if eval else data.path),
             "source": None if eval else data.source,
             "split": data.eval_split if eval else data.split,
@@ -304,7 +304,7 @@ class DataStream:
     def _read(self) -> tuple[int, int, Sample | DataError]:
         if self._iterator is None:
             docs = RankDocuments(
-                self.spec, self.encoder, self.shards, self.shard_count, dict(self.next_j)
+                self.reading, self.encoder, self.shards, self.shard_count, dict(self.next_j)
             )
             workers = self.data.workers
             if workers and multiprocessing.current_process().daemon:

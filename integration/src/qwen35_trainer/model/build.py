@@ -39,16 +39,16 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def build_meta_model(spec: ModelRecipe, *, packing: bool = False) -> nn.Module:
+def build_meta_model(model_recipe: ModelRecipe, *, packing: bool = False) -> nn.Module:
     """The recipe's model (MoE swapped; with ``packing`` adapted to packed rows,
     :func:`qwen35_trainer.model.packed.enable_packing`) on the meta device: shapes only, no
     storage."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    config = build_config(spec)
+    config = build_config(model_recipe)
     with torch.device("meta"):
         model = Qwen3_5MoeForConditionalGeneration(config)
-        swap_moe_blocks(model, expert_backend=spec.expert_backend)
+        swap_moe_blocks(model, expert_backend=model_recipe.expert_backend)
     if packing:
         enable_packing(model)
     return model
@@ -100,7 +100,9 @@ def materialize(
     return model
 
 
-def build_model(spec: ModelRecipe, *, seed: int = 0) -> nn.Module:
+def build_model(model_recipe: ModelRecipe, *, seed: int = 0) -> nn.Module:
     """The recipe's model on the host, unsharded: name-seeded random weights, or
-    ``spec.weights`` loaded."""
-    return materialize(build_meta_model(spec), "cpu", seed=seed, weights=spec.weights_dir)
+    ``model_recipe.weights`` loaded."""
+    return materialize(
+        build_meta_model(model_recipe), "cpu", seed=seed, weights=model_recipe.weights_dir
+    )

@@ -28,7 +28,7 @@ def _checked(name: str, config_cls: type, values: dict[str, Any]) -> dict[str, A
     return values
 
 
-def build_config(spec: ModelRecipe) -> Any:
+def build_config(model_recipe: ModelRecipe) -> Any:
     """The transformers ``Qwen3_5MoeConfig`` a recipe's ``model`` section describes."""
     from transformers import Qwen3_5MoeConfig
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
@@ -36,18 +36,20 @@ def build_config(spec: ModelRecipe) -> Any:
         Qwen3_5MoeVisionConfig,
     )
 
-    text, vision = spec.text, spec.vision
-    if spec.path is None:  # else they are config.json's (model_path), keys beyond the defaults too
+    text, vision = model_recipe.text, model_recipe.vision
+    if (
+        model_recipe.path is None
+    ):  # else they are config.json's (model_path), keys beyond the defaults too
         text = _checked("text", Qwen3_5MoeTextConfig, text)
         vision = _checked("vision", Qwen3_5MoeVisionConfig, vision)
     try:
         config = Qwen3_5MoeConfig(
             text_config=text,
             vision_config=vision,
-            image_token_id=spec.image_token_id,
-            video_token_id=spec.video_token_id,
-            vision_start_token_id=spec.vision_start_token_id,
-            vision_end_token_id=spec.vision_end_token_id,
+            image_token_id=model_recipe.image_token_id,
+            video_token_id=model_recipe.video_token_id,
+            vision_start_token_id=model_recipe.vision_start_token_id,
+            vision_end_token_id=model_recipe.vision_end_token_id,
         )
     except Exception as err:  # transformers' own validators (their error types vary)
         reason = " ".join(str(err).split())
@@ -56,7 +58,7 @@ def build_config(spec: ModelRecipe) -> Any:
         ) from err
     vocab = config.text_config.vocab_size
     ids = {
-        k: getattr(spec, k)
+        k: getattr(model_recipe, k)
         for k in (
             "image_token_id",
             "video_token_id",
@@ -68,9 +70,12 @@ def build_config(spec: ModelRecipe) -> Any:
     if outside:
         raise ValueError(f"model token ids {outside} lie outside the vocabulary [0, {vocab})")
     check_shapes(config)
-    if spec.weights is not None and not (Path(spec.weights) / "config.json").is_file():
+    if (
+        model_recipe.weights is not None
+        and not (Path(model_recipe.weights) / "config.json").is_file()
+    ):
         raise ValueError(
-            f"model.weights: {spec.weights!r} is not a transformers checkpoint directory (no "
+            f"model.weights: {model_recipe.weights!r} is not a transformers checkpoint directory (no "
             "config.json there)"
         )
     return config

@@ -98,19 +98,19 @@ class Layout:
 def validate_layout(recipe: Any, world_size: int) -> ParallelDims:
     """The run's :class:`ParallelDims` from the recipe's ``parallel`` section, or ``ValueError``
     with every reason it cannot run in ``world_size`` ranks."""
-    spec, packing = recipe.parallel, recipe.data.packing
+    parallel, packing = recipe.parallel, recipe.data.packing
     reasons = []
     try:
-        dims = ParallelDims.from_recipe(spec, world_size)
+        dims = ParallelDims.from_recipe(parallel, world_size)
     except ValueError as err:
         reasons.append(str(err).removeprefix("invalid parallel layout: "))
         dims = None
-    if spec.cp > 1 and not packing:
+    if parallel.cp > 1 and not packing:
         reasons.append(
             "parallel.cp > 1 needs data.packing: context parallelism splits ONE packed row "
             "over the CP ranks by its document layout"
         )
-    if spec.tp > 1 and not packing:
+    if parallel.tp > 1 and not packing:
         reasons.append(
             "parallel.tp > 1 needs data.packing: the TP-split Gated DeltaNet layers run "
             "cp-varlen-attn's packed forward on this rank's heads"

@@ -195,14 +195,14 @@ class ParallelDims:
         return Meshes(self, dense, batch, shard, expert)
 
     @classmethod
-    def from_recipe(cls, spec: Any, world: int) -> ParallelDims:
+    def from_recipe(cls, parallel: Any, world: int) -> ParallelDims:
         """From a recipe's ``parallel`` section (``dp`` is the FSDP-sharded degree)."""
         return cls(
             world=world,
-            dp=spec.dp,
-            dp_replicate=spec.dp_replicate,
-            cp=spec.cp,
-            tp=spec.tp,
-            ep=spec.ep,
-            ep_first=spec.ep_first,
+            dp=parallel.dp,
+            dp_replicate=parallel.dp_replicate,
+            cp=parallel.cp,
+            tp=parallel.tp,
+            ep=parallel.ep,
+            ep_first=parallel.ep_first,
         )

@@ -24,14 +24,14 @@ GPU_KERNEL_LIBRARIES = (
 
 def what_runs(recipe: Recipe, world: int, device: torch.device) -> list[str]:
     """The run's first lines: its layout, precision, kernels, data and run folder."""
-    p, spec, data = recipe.parallel, recipe.train, recipe.data
+    p, training, data = recipe.parallel, recipe.train, recipe.data
     backend = "nccl" if device.type == "cuda" else "gloo"
     lines = [
         f"layout: dp_replicate {p.dp_replicate} x dp {p.dp} x cp {p.cp} x tp {p.tp}, ep {p.ep} "
         f"(ep_first {p.ep_first}) on {world} rank(s), {backend} on {device.type}",
-        f"precision: {spec.dtype}; activation checkpointing "
-        f"{'on' if spec.activation_checkpointing else 'off'}; deterministic "
-        f"{'on' if spec.deterministic else 'off'}",
+        f"precision: {training.dtype}; activation checkpointing "
+        f"{'on' if training.activation_checkpointing else 'off'}; deterministic "
+        f"{'on' if training.deterministic else 'off'}",
     ]
     if device.type == "cuda":
         found = [name for module, name in GPU_KERNEL_LIBRARIES if importlib.util.find_spec(module)]
@@ -51,7 +51,7 @@ def what_runs(recipe: Recipe, world: int, device: torch.device) -> list[str]:
         lines.append(f"data: {source} through {data.processor}, packed to {data.pack_length}")
     else:
         lines.append("data: the synthetic stream (no data.path)")
-    lines.append(f"run folder: {spec.output_dir or '(none)'}")
+    lines.append(f"run folder: {training.output_dir or '(none)'}")
     return lines
 
 

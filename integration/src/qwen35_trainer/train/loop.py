@@ -129,16 +129,16 @@ def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
     :func:`start_processes` (``dims``: what it returned)."""
     device = this_device()
     objective, layout = build_training_model(recipe, device, dims=dims)
-    model, spec = objective.model, recipe.train
+    model, training = objective.model, recipe.train
     optimizer = build_optimizer(
         objective.parameters(),
-        optimizer_name(spec.optimizer),
-        lr=spec.lr,
-        betas=spec.betas,
-        eps=spec.eps,
-        weight_decay=spec.weight_decay,
+        optimizer_name(training.optimizer),
+        lr=training.lr,
+        betas=training.betas,
+        eps=training.eps,
+        weight_decay=training.weight_decay,
     )
-    coef = spec.router_aux_loss_coef
+    coef = training.router_aux_loss_coef
     coef = model.config.text_config.router_aux_loss_coef if coef is None else coef
     return Setup(objective, optimizer, layout, device, coef)
 
@@ -146,21 +146,21 @@ def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
 def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
     run = setup(recipe, dims)
     objective, optimizer, layout, device = run.objective, run.optimizer, run.layout, run.device
-    model, spec = objective.model, recipe.train
-    if spec.prewarm:
+    model, training = objective.model, recipe.train
+    if training.prewarm:
         from setup_prewarm import prewarm
 
         report = prewarm(objective, device=device)
         logger.info("prewarm:\n%s", report.table())
-    folder = RunFolder(spec.output_dir, recipe, rank()) if spec.output_dir else None
+    folder = RunFolder(training.output_dir, recipe, rank()) if training.output_dir else None
     for line in what_runs(recipe, world(), device):
         logger.info(line)
         if folder is not None:
             folder.note(line)
-    checkpoints = spec.checkpoint_dir
-    if checkpoints is None and spec.output_dir and spec.checkpoint_every:
-        checkpoints = os.path.join(spec.output_dir, "checkpoints")
-    start, damaged = _resume(checkpoints, objective, optimizer, spec.verify_checkpoints)
+    checkpoints = training.checkpoint_dir
+    if checkpoints is None and training.output_dir and training.checkpoint_every:
+        checkpoints = os.path.join(training.output_dir, "checkpoints")
+    start, damaged = _resume(checkpoints, objective, optimizer, training.verify_checkpoints)
     for message in damaged:
         logger.warning(message)
         if folder is not None:
@@ -190,8 +190,8 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
     finally:
         if folder is not None:
             folder.close()
-    if spec.export_dir:
-        export_hf(objective.model, spec.export_dir)
+    if training.export_dir:
+        export_hf(objective.model, training.export_dir)
     return TrainResult(logs, objective, optimizer)
 
 
@@ -204,14 +204,14 @@ def _steps(
     stop. With ``train.async_checkpoint`` a checkpoint is completed by the next one, or before
     the loop returns or stops."""
     objective, optimizer, layout, device = run.objective, run.optimizer, run.layout, run.device
-    spec, coef = recipe.train, run.aux_coef
+    training, coef = recipe.train, run.aux_coef
     peak = peak_flops(device)
     ranks = world()
-    writer = AsyncCheckpointer() if checkpoints and spec.async_checkpoint else None
-    guard = NonFiniteGuard(spec.on_nonfinite, spec.max_skipped_steps)
-    for step in range(start, spec.steps):
+    writer = AsyncCheckpointer() if checkpoints and training.async_checkpoint else None
+    guard = NonFiniteGuard(training.on_nonfinite, training.max_skipped_steps)
+    for step in range(start, training.steps):
         began = time.perf_counter()
-        lr = lr_at(step, spec)
+        lr = lr_at(step, training)
         set_lr(optimizer, lr)
         micro, data = feed.step(step)
         result = train_step(
@@ -220,14 +220,18 @@ def _steps(
             micro,
             layout,
             aux_coef=coef,
-            grad_clip=spec.grad_clip,
+            grad_clip=training.grad_clip,
             device=device,
         )
         seconds = time.perf_counter() - began
         loss = result.ce + coef * result.aux
         failed = guard.check(step + 1, loss, result, data.sources)
-        eval_every, held_out = spec.eval_every, None
-        if not failed and eval_every and ((step + 1) % eval_every == 0 or step + 1 == spec.steps):
+        eval_every, held_out = training.eval_every, None
+        if (
+            not failed
+            and eval_every
+            and ((step + 1) % eval_every == 0 or step + 1 == training.steps)
+        ):
             held_out = evaluate(
                 recipe, objective, layout, feed.eval_batches(), aux_coef=coef, device=device
             )
@@ -258,16 +262,16 @@ def _steps(
             if writer is not None:
                 writer.wait()  # the checkpoint being written completes: it stays the newest
             raise failed
-        every = spec.checkpoint_every
+        every = training.checkpoint_every
         stopping = stop.agreed(device)
-        due = step + 1 == spec.steps or (every and (step + 1) % every == 0)
+        due = step + 1 == training.steps or (every and (step + 1) % every == 0)
         if checkpoints and (due or stopping):
             save_checkpoint(
                 checkpoints,
                 step + 1,
                 objective,
                 optimizer,
-                keep=spec.keep_checkpoints,
+                keep=training.keep_checkpoints,
                 files={"recipe.yaml": resolved_recipe(recipe), **data_state_files(feed)},
                 background=writer,
             )

@@ -17,16 +17,16 @@ import math
 __all__ = ["lr_at", "set_lr"]
 
 
-def lr_at(step: int, spec) -> float:
+def lr_at(step: int, training) -> float:
     """The learning rate of optimizer step ``step`` (0-based) for a ``train`` recipe section."""
-    lr, warmup = spec.lr, spec.warmup_steps
+    lr, warmup = training.lr, training.warmup_steps
     if step < warmup:
         return lr * (step + 1) / warmup
-    if spec.schedule == "constant":
+    if training.schedule == "constant":
         return lr
-    p = (step - warmup) / max(1, spec.steps - warmup)
-    floor = spec.lr_floor * lr
-    if spec.schedule == "linear":
+    p = (step - warmup) / max(1, training.steps - warmup)
+    floor = training.lr_floor * lr
+    if training.schedule == "linear":
         return floor + (lr - floor) * (1 - p)
     return floor + (lr - floor) * (1 + math.cos(math.pi * p)) / 2
 
