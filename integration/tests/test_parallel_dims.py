@@ -102,17 +102,17 @@ def _dense(dims: ParallelDims) -> torch.Tensor:
     ("spec", "ep_groups"),
     [
         # CP 4, EP 2: EP groups inside the CP group (the 122B shape in miniature)
-        (dict(world=4, cp=4, ep=2), {(0, 1), (2, 3)}),
+        (dict(launched=4, cp=4, ep=2), {(0, 1), (2, 3)}),
         # DP 2 x CP 2, EP 4: one EP group spanning both DP ranks and both CP ranks
-        (dict(world=4, dp=2, cp=2, ep=4), {(0, 1, 2, 3)}),
+        (dict(launched=4, dp=2, cp=2, ep=4), {(0, 1, 2, 3)}),
         # DP 2 x CP 2, EP 2 = the CP groups
-        (dict(world=4, dp=2, cp=2, ep=2), {(0, 1), (2, 3)}),
+        (dict(launched=4, dp=2, cp=2, ep=2), {(0, 1), (2, 3)}),
         # DP 2 x CP 2, EP 2 over DP: ranks with the same CP index
-        (dict(world=4, dp=2, cp=2, ep=2, ep_first="dp"), {(0, 2), (1, 3)}),
+        (dict(launched=4, dp=2, cp=2, ep=2, ep_first="dp"), {(0, 2), (1, 3)}),
         # DP 2 x TP 2, EP 2: over DP, never across TP peers (0, 1 and 2, 3)
-        (dict(world=4, dp=2, tp=2, ep=2), {(0, 2), (1, 3)}),
+        (dict(launched=4, dp=2, tp=2, ep=2), {(0, 2), (1, 3)}),
         # HSDP 2 x DP 2, EP 2: inside each replica
-        (dict(world=4, dp_replicate=2, dp=2, ep=2), {(0, 1), (2, 3)}),
+        (dict(launched=4, dp_replicate=2, dp=2, ep=2), {(0, 1), (2, 3)}),
     ],
 )
 def test_expert_groups(spec, ep_groups):
@@ -135,7 +135,7 @@ def test_the_122b_layout_on_a_fake_128_rank_world():
         from torch.testing._internal.distributed.fake_pg import FakeStore
         from qwen35_trainer.parallel import ParallelDims
         dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=128)
-        dims = ParallelDims(world=128, dp=4, cp=32, ep=8)
+        dims = ParallelDims(launched=128, dp=4, cp=32, ep=8)
         meshes = dims.build("cpu")
         ranks = lambda m: dist.get_process_group_ranks(m.get_group())
         print(ranks(meshes.ep), ranks(meshes.cp)[:10], len(ranks(meshes.batch)),

@@ -14,34 +14,9 @@ model's processor), packed into rows, sharded over the data-parallel ranks, resu
 - :mod:`~qwen35_trainer.data.check`: what ``qwen35-train data check`` reports.
 """
 
-from qwen35_trainer.data.batch import (
-    IGNORE_INDEX,
-    MEDIA_FIELDS,
-    Batch,
-    DataError,
-    Sample,
-    collate,
-)
-from qwen35_trainer.data.synthetic import (
-    HELD_OUT_INDEX,
-    global_batch,
-    rank_batch,
-    rank_samples,
-    sample,
-    text_vocab,
-)
+from qwen35_trainer.data import batch, synthetic
+from qwen35_trainer.data.batch import *  # noqa: F403 (its __all__: the records)
+from qwen35_trainer.data.synthetic import *  # noqa: F403 (its __all__: the synthetic stream)
 
-__all__ = [
-    "HELD_OUT_INDEX",
-    "IGNORE_INDEX",
-    "MEDIA_FIELDS",
-    "Batch",
-    "DataError",
-    "Sample",
-    "collate",
-    "global_batch",
-    "rank_batch",
-    "rank_samples",
-    "sample",
-    "text_vocab",
-]
+# the data stage's common names: every public name of its records and of the synthetic stream
+__all__ = [*batch.__all__, *synthetic.__all__]

@@ -35,12 +35,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_compat import flatten_mesh
+from qwen35_trainer.recipe import ParallelRecipe
 
 __all__ = ["EP_FIRST", "MeshAxis", "Meshes", "ParallelDims"]
 
@@ -96,16 +96,11 @@ class Meshes:
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelDims:
-    """The degrees of a run; invalid combinations raise ``ValueError`` with every reason."""
+class ParallelDims(ParallelRecipe):
+    """The degrees of a run (the recipe's ``parallel`` section) on the ``launched`` ranks;
+    invalid combinations raise ``ValueError`` with every reason."""
 
-    world: int
-    dp: int = 1
-    dp_replicate: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    ep_first: str = "cp"
+    launched: int = 1
 
     def __post_init__(self) -> None:
         reasons = self.refusals()
@@ -129,12 +124,12 @@ class ParallelDims:
         if bad:
             return bad
         reasons = []
-        ranks = self.dp_replicate * self.dp * self.cp * self.tp
-        if ranks != self.world:
+        ranks = self.world
+        if ranks != self.launched:
             reasons.append(
                 f"parallel.dp_replicate={self.dp_replicate} x dp={self.dp} x "
                 f"cp={self.cp} x tp={self.tp} = {ranks} ranks, but the launched world size "
-                f"(WORLD_SIZE) is {self.world}: launch with `torchrun --nproc-per-node {ranks} "
+                f"(WORLD_SIZE) is {self.launched}: launch with `torchrun --nproc-per-node {ranks} "
                 "...` or change the degrees (EP borrows ranks, it adds none)"
             )
         if (self.dp * self.cp) % self.ep:
@@ -195,14 +190,6 @@ class ParallelDims:
         return Meshes(self, dense, batch, shard, expert)
 
     @classmethod
-    def from_recipe(cls, parallel: Any, world: int) -> ParallelDims:
-        """From a recipe's ``parallel`` section (``dp`` is the FSDP-sharded degree)."""
-        return cls(
-            world=world,
-            dp=parallel.dp,
-            dp_replicate=parallel.dp_replicate,
-            cp=parallel.cp,
-            tp=parallel.tp,
-            ep=parallel.ep,
-            ep_first=parallel.ep_first,
-        )
+    def from_recipe(cls, parallel: ParallelRecipe, world: int) -> ParallelDims:
+        """The recipe's ``parallel`` section on ``world`` launched ranks."""
+        return cls(**dataclasses.asdict(parallel), launched=world)
