@@ -6,6 +6,7 @@ model's processor), packed into rows, sharded over the data-parallel ranks, resu
 - :mod:`~qwen35_trainer.data.synthetic`: the seeded synthetic stream;
 - :mod:`~qwen35_trainer.data.conversation`: conversation rows through the processor (masking);
 - :mod:`~qwen35_trainer.data.media`: images and videos read for the processor;
+- :mod:`~qwen35_trainer.data.sources`: a rank's documents from a file or an iterable;
 - :mod:`~qwen35_trainer.data.loader`: the sharded, resumable, worker-parallel packed stream;
 - :mod:`~qwen35_trainer.data.packing`: documents into one packed row (data only);
 - :mod:`~qwen35_trainer.data.feed`: each step's micro-batches (both streams), the loader's

@@ -35,7 +35,6 @@ import types
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,6 +42,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.func import functional_call
 
 from cp_varlen_attn.hf_gdn import packed_gated_deltanet_forward
+from qwen35_trainer.parallel.tp_comm import sum_grad_over_tp, sum_over_tp
 
 __all__ = ["GDN_TP_PLACEMENTS", "qkv_rows", "split_gated_deltanet"]
 
@@ -57,36 +57,6 @@ GDN_TP_PLACEMENTS = {
     "dt_bias": Shard(0),
     "out_proj.weight": Shard(1),
 }
-
-
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the TP group."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOverTP(torch.autograd.Function):
-    """Forward sums partial results over the TP group; backward passes the (replicated)
-    gradient through."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
 
 
 def qkv_rows(
@@ -147,9 +117,9 @@ def split_gated_deltanet(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
 def _local_view(layer: nn.Module, group: Any, rows: torch.Tensor, tp: int):
     """The attributes cp-varlen-attn's packed forward reads, for this rank's heads only."""
     rows = rows.to(layer.A_log.device)
-    qkv_W = _SumGradOverTP.apply(layer.in_proj_qkv.weight.to_local(), group)[rows]
-    conv_W = _SumGradOverTP.apply(layer.conv1d.weight.to_local(), group)[rows]
-    norm_W = _SumGradOverTP.apply(layer.norm.weight.to_local(), group)
+    qkv_W = sum_grad_over_tp(layer.in_proj_qkv.weight.to_local(), group)[rows]
+    conv_W = sum_grad_over_tp(layer.conv1d.weight.to_local(), group)[rows]
+    norm_W = sum_grad_over_tp(layer.norm.weight.to_local(), group)
 
     def linear(module):
         return lambda x: F.linear(x, module.weight.to_local())
@@ -163,7 +133,7 @@ def _local_view(layer: nn.Module, group: Any, rows: torch.Tensor, tp: int):
         A_log=layer.A_log.to_local(),
         dt_bias=layer.dt_bias.to_local(),
         norm=lambda core, z: functional_call(layer.norm, {"weight": norm_W}, (core, z)),
-        out_proj=lambda x: _SumOverTP.apply(F.linear(x, layer.out_proj.weight.to_local()), group),
+        out_proj=lambda x: sum_over_tp(F.linear(x, layer.out_proj.weight.to_local()), group),
         key_dim=layer.key_dim // tp,
         value_dim=layer.value_dim // tp,
         num_k_heads=layer.num_k_heads // tp,
@@ -194,6 +164,6 @@ def _tp_packed_forward(
         raise ValueError("packed documents run without a cache (use_cache=False)")
     if attention_mask is not None:  # whole padding documents only (checked by the text model hook)
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-    hidden_states = _SumGradOverTP.apply(hidden_states, group)
+    hidden_states = sum_grad_over_tp(hidden_states, group)
     view = _local_view(layer, group, rows, tp)
     return packed_gated_deltanet_forward(view, hidden_states, layout=cp_layout, group=cp_group)

@@ -2,6 +2,7 @@
 
 - :mod:`.loop`: :func:`train` — process group, setup, resume, the steps, checkpoints, export;
 - :mod:`.step`: one optimizer step (:func:`~.step.train_step`) and its global counts;
+  :mod:`.eval`: the held-out loss and accuracy;
 - :mod:`.schedule`: the learning rate of each step; the optimizer's name;
 - :mod:`.checkpoint`, :mod:`.integrity`, :mod:`.safe_load`: DCP checkpoints that prove their
   integrity and load no foreign code;

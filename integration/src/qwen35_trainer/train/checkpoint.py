@@ -33,6 +33,7 @@ deterministic).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -40,10 +41,12 @@ import re
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -73,16 +76,19 @@ from qwen35_trainer.train.safe_load import (
 
 __all__ = [
     "DATA_STATE",
+    "RESUMABLE_CHANGES",
     "AsyncCheckpointer",
     "DamagedCheckpointError",
     "UnsafeCheckpointError",
     "agreed_verdict",
+    "changed_on_resume",
     "checkpoints_in",
     "data_state_files",
     "load_checkpoint",
     "load_model_weights",
     "newest_loadable",
     "restore_data_state",
+    "resume_point",
     "save_checkpoint",
 ]
 
@@ -379,3 +385,34 @@ def load_checkpoint(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     return int(state["step"])
+
+
+# Recipe values that may change between a checkpoint and its resumption (re-applied from the
+# recipe the run is started with, not taken from the checkpoint).
+RESUMABLE_CHANGES = ("lr", "schedule", "warmup_steps", "lr_floor", "steps")
+
+
+def changed_on_resume(path: Path, recipe: Any) -> list[str]:
+    """One line per :data:`RESUMABLE_CHANGES` value that differs from the checkpoint's recipe."""
+    saved = path / "recipe.yaml"
+    if not saved.is_file():
+        return []
+    before = yaml.safe_load(saved.read_text()).get("train", {})
+    now = dataclasses.asdict(recipe.train)
+    return [
+        f"train.{k} changed on resume: {before[k]!r} -> {now[k]!r} (the new value applies)"
+        for k in RESUMABLE_CHANGES
+        if k in before and before[k] != now[k]
+    ]
+
+
+def resume_point(checkpoints: str | None, objective, optimizer, checksums: bool):
+    """``(steps already done, messages)``: 0, or those of the newest loadable checkpoint under
+    ``checkpoints`` (the same on every rank; newer damaged ones skipped, each with a warning
+    among the messages)."""
+    if not checkpoints:
+        return 0, []
+    path, warnings = newest_loadable(checkpoints, checksums=checksums)
+    if path is None:
+        return 0, warnings
+    return load_checkpoint(path, objective, optimizer, verified=True), warnings

@@ -38,7 +38,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.model import build_training_model, export_hf
@@ -50,20 +49,21 @@ from qwen35_trainer.parallel.dist import init_distributed, rank, world
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.train.checkpoint import (
     AsyncCheckpointer,
+    changed_on_resume,
     data_state_files,
-    load_checkpoint,
-    newest_loadable,
     restore_data_state,
+    resume_point,
     save_checkpoint,
 )
 from qwen35_trainer.train.console import what_runs
 from qwen35_trainer.train.determinism import deterministic_mode, prepare_cuda
-from qwen35_trainer.train.metrics import StepLog
+from qwen35_trainer.train.eval import evaluate
+from qwen35_trainer.train.metrics import StepLog, peak_memory_mib
 from qwen35_trainer.train.nonfinite import NonFiniteGuard, NonFiniteStep
 from qwen35_trainer.train.preemption import Preempted, StopFlag
 from qwen35_trainer.train.run_folder import RunFolder, resolved_recipe
-from qwen35_trainer.train.schedule import lr_at, set_lr
-from qwen35_trainer.train.step import evaluate, peak_memory_mib, train_step
+from qwen35_trainer.train.schedule import lr_at, optimizer_name, set_lr
+from qwen35_trainer.train.step import train_step
 from safe_optim import build_optimizer
 
 __all__ = ["Setup", "StepLog", "TrainResult", "setup", "start_processes", "train"]
@@ -160,7 +160,7 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
     checkpoints = training.checkpoint_dir
     if checkpoints is None and training.output_dir and training.checkpoint_every:
         checkpoints = os.path.join(training.output_dir, "checkpoints")
-    start, damaged = _resume(checkpoints, objective, optimizer, training.verify_checkpoints)
+    start, damaged = resume_point(checkpoints, objective, optimizer, training.verify_checkpoints)
     for message in damaged:
         logger.warning(message)
         if folder is not None:
@@ -169,7 +169,7 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
     if start:
         restore_data_state(feed, Path(checkpoints) / f"step_{start:06d}")
         messages = [f"resumed from step {start} of {checkpoints}"]
-        messages += _changed_on_resume(Path(checkpoints) / f"step_{start:06d}", recipe)
+        messages += changed_on_resume(Path(checkpoints) / f"step_{start:06d}", recipe)
         for message in messages:
             logger.info(message)
             if folder is not None:
@@ -283,47 +283,3 @@ def _steps(
             raise Preempted(step + 1, where)
     if writer is not None:
         writer.wait()
-
-
-# Recipe values that may change between a checkpoint and its resumption (re-applied from the
-# recipe the run is started with, not taken from the checkpoint).
-RESUMABLE_CHANGES = ("lr", "schedule", "warmup_steps", "lr_floor", "steps")
-
-
-def optimizer_name(name: str) -> str:
-    """``train.optimizer`` resolved: ``auto`` is TransformerEngine's fused Adam (AdamW-style
-    decay, fp32 moments) where TE imports, else torch's AdamW (said once)."""
-    if name != "auto":
-        return name
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except (ImportError, OSError, RuntimeError):
-        logger.info("train.optimizer=auto: TransformerEngine is not installed, using adamw")
-        return "adamw"
-    return "te_fused_adam"
-
-
-def _changed_on_resume(path: Path, recipe: Recipe) -> list[str]:
-    """One line per :data:`RESUMABLE_CHANGES` value that differs from the checkpoint's recipe."""
-    saved = path / "recipe.yaml"
-    if not saved.is_file():
-        return []
-    before = yaml.safe_load(saved.read_text()).get("train", {})
-    now = dataclasses.asdict(recipe.train)
-    return [
-        f"train.{k} changed on resume: {before[k]!r} -> {now[k]!r} (the new value applies)"
-        for k in RESUMABLE_CHANGES
-        if k in before and before[k] != now[k]
-    ]
-
-
-def _resume(checkpoints: str | None, objective, optimizer, checksums: bool):
-    """``(steps already done, messages)``: 0, or those of the newest loadable checkpoint under
-    ``checkpoints`` (the same on every rank; newer damaged ones skipped, each with a warning
-    among the messages)."""
-    if not checkpoints:
-        return 0, []
-    path, warnings = newest_loadable(checkpoints, checksums=checksums)
-    if path is None:
-        return 0, warnings
-    return load_checkpoint(path, objective, optimizer, verified=True), warnings

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import resource
 
-__all__ = ["METRIC_FIELDS", "StepLog"]
+import torch
+
+__all__ = ["METRIC_FIELDS", "StepLog", "peak_memory_mib"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,3 +67,10 @@ METRIC_FIELDS = (
     *("step_seconds" if f.name == "seconds" else f.name for f in dataclasses.fields(StepLog)),
     "tokens_per_s",
 )
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """The CUDA allocator's peak on GPU; this process's peak RSS on CPU (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -12,9 +12,12 @@ the recipe takes effect on resume, rather than the checkpoint's stored learning 
 
 from __future__ import annotations
 
+import logging
 import math
 
-__all__ = ["lr_at", "set_lr"]
+__all__ = ["lr_at", "optimizer_name", "set_lr"]
+
+logger = logging.getLogger("qwen35_trainer")
 
 
 def lr_at(step: int, training) -> float:
@@ -35,3 +38,16 @@ def set_lr(optimizer, lr: float) -> None:
     """Set every parameter group's learning rate."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def optimizer_name(name: str) -> str:
+    """``train.optimizer`` resolved: ``auto`` is TransformerEngine's fused Adam (AdamW-style
+    decay, fp32 moments) where TE imports, else torch's AdamW (said once)."""
+    if name != "auto":
+        return name
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
+        logger.info("train.optimizer=auto: TransformerEngine is not installed, using adamw")
+        return "adamw"
+    return "te_fused_adam"

@@ -1,8 +1,8 @@
-"""One optimizer step as a unit a test or a user can drive: the step's micro-batches, the global
-valid-label count, forward + backward of every micro-batch, clipping and the optimizer update,
-and the step's measurements.
+"""One optimizer step as a unit a test or a user can drive: given the step's micro-batches
+(:mod:`qwen35_trainer.data.feed`), the global valid-label count, forward + backward of every
+micro-batch, clipping and the optimizer update, and the step's measurements.
 
-Why the step is the one-process step on the global batch: see :mod:`qwen35_trainer.train`
+Why the step is the one-process step on the global batch: see :mod:`qwen35_trainer.train.loop`
 (shares of one global loss, SUM reductions). The counts here are all global: the valid labels
 over every micro-batch and every rank holding different tokens (CP ranks share their rows, so
 each counts its whole rows and the sum is divided by ``cp``), the expert loads summed over the
@@ -14,9 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import resource
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,14 +24,7 @@ from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.model.flops import training_flops
 from qwen35_trainer.parallel import Layout
 
-__all__ = [
-    "EvalResult",
-    "StepResult",
-    "evaluate",
-    "micro_flops",
-    "peak_memory_mib",
-    "train_step",
-]
+__all__ = ["StepResult", "all_reduce_loss_group", "count_valid", "micro_flops", "train_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +42,8 @@ class StepResult:
     applied: bool = True  # False: a non-finite loss or gradient norm, the update not applied
 
 
-def _all_reduce(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+def all_reduce_loss_group(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``t`` summed over the ranks holding different tokens (in place; one process: ``t``)."""
     if layout.loss_group is not None:
         dist.all_reduce(t, group=layout.loss_group)
     return t
@@ -60,7 +52,7 @@ def _all_reduce(t: torch.Tensor, layout: Layout) -> torch.Tensor:
 def count_valid(micro, layout: Layout, device: torch.device) -> int:
     """The step's valid next-token labels over every micro-batch and every data group."""
     local = sum(int((batch.labels[:, 1:] != IGNORE_INDEX).sum()) for batch, _ in micro)
-    return int(_all_reduce(torch.tensor([local], device=device), layout)) // layout.cp
+    return int(all_reduce_loss_group(torch.tensor([local], device=device), layout)) // layout.cp
 
 
 def micro_flops(config, micro, layout: Layout) -> float:
@@ -107,7 +99,7 @@ def train_step(
         before_clip()
     grad_norm = clip_grad_norm(objective.parameters(), grad_clip)
     flops = micro_flops(objective.model.config, micro, layout)
-    totals = _all_reduce(
+    totals = all_reduce_loss_group(
         torch.stack([ce, aux, torch.tensor(flops, device=device)]).double(), layout
     )
     # the norm (over every mesh) and the loss totals are global: every rank decides alike
@@ -115,7 +107,7 @@ def train_step(
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    load = _all_reduce(load, layout).float()  # [layers, experts] tokens routed
+    load = all_reduce_loss_group(load, layout).float()  # [layers, experts] tokens routed
     mean = load.mean(dim=1).clamp(min=1e-9)
     cp_imbalance = max(p.layout.compute_imbalance for _, p in micro) if micro[0][1] else 1.0
     return StepResult(
@@ -129,44 +121,3 @@ def train_step(
         flops=float(totals[2]),
         applied=applied,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalResult:
-    """The held-out loss (CE + aux_coef * aux) and next-token accuracy over its labels."""
-
-    loss: float
-    accuracy: float
-
-
-@torch.no_grad()
-def evaluate(
-    recipe: Any, objective, layout: Layout, batches, *, aux_coef: float, device: torch.device
-) -> EvalResult:
-    """The global loss and accuracy over ``train.eval_steps`` held-out global batches, split
-    over the ranks as training is: ``batches(e)`` gives held-out step ``e``'s micro-batches
-    (:meth:`qwen35_trainer.data.feed.Feed.eval_batches`)."""
-    sums = torch.zeros(3, device=device, dtype=torch.float64)  # ce, aux, correct shares
-    labels = 0  # valid labels, global
-    for e in range(recipe.train.eval_steps):
-        micro = batches(e)
-        num_valid = count_valid(micro, layout, device)
-        labels += num_valid
-        for batch, packed in micro:
-            shares = objective(
-                batch, layout.loss_group, packed, num_valid_tokens=num_valid, accuracy=True
-            )
-            sums += torch.stack([shares.ce, shares.aux / len(micro), shares.correct]).double()
-    sums = _all_reduce(sums, layout)  # each rank counted its own tokens: the sum is global
-    steps = recipe.train.eval_steps
-    return EvalResult(
-        loss=float(sums[0] / steps + aux_coef * sums[1] / steps),
-        accuracy=float(sums[2] / labels) if labels else 0.0,
-    )
-
-
-def peak_memory_mib(device: torch.device) -> float:
-    """The CUDA allocator's peak on GPU; this process's peak RSS on CPU (MiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
