@@ -97,7 +97,11 @@ class Experts(nn.Module):
             probs_NE = DTensor.from_local(probs_NE, mesh, [Replicate()], run_check=False)
         y_ENH = torch.einsum("nh,ehk->enk", x_NH, w_EHH)
         y_NH = (y_ENH * probs_NE.transpose(0, 1).unsqueeze(-1)).sum(0)
-        return y_NH.full_tensor() if isinstance(y_NH, DTensor) else y_NH
+        if isinstance(y_NH, DTensor):
+            # full_tensor() hands back a view of the reduced buffer; a module FSDP2 wraps must
+            # not return a view (torch warns; the workspace makes that warning an error)
+            return y_NH.full_tensor().clone()
+        return y_NH
 
 
 class MoEBlock(nn.Module):
