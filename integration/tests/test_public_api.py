@@ -15,9 +15,8 @@ import qwen35_trainer
 
 PACKAGE = Path(qwen35_trainer.__file__).parent
 MODULES = sorted(m.name for m in pkgutil.walk_packages([str(PACKAGE)], "qwen35_trainer."))
-# A module may import its own stage and the stages before it (model_path: the recipe's model
-# section read from a checkpoint directory's config.json, which the recipe loader applies).
-ORDER = ["model_path", "recipe", "parallel", "data", "model", "train", "plan", "cli"]
+# A module may import its own stage and the stages before it.
+ORDER = ["recipe", "parallel", "data", "model", "train", "plan", "cli"]
 
 
 def _stage(module: str) -> str:

@@ -41,7 +41,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 from qwen35_trainer.recipe import (
-    add_recipe_arguments,
     builtin_recipes,
     load_recipe,
 )
@@ -66,6 +65,22 @@ EXIT_NOT_INTACT = 3  # a finding: checkpoint not intact, bad data rows, a plan t
 EXIT_BAD_ROWS = EXIT_DOES_NOT_FIT = EXIT_NOT_INTACT
 EXIT_INTERNAL = 4  # an unexpected internal error (with its traceback)
 EXIT_PREEMPTED = 5  # stopped by SIGTERM / SIGUSR1 after a step and a checkpoint
+
+
+def add_recipe_arguments(
+    parser, *, recipe_help: str = "a YAML recipe file, or a built-in recipe's name"
+) -> None:
+    """The ``RECIPE`` argument and the repeatable ``--set SECTION.KEY=VALUE`` overrides (read
+    back as ``args.recipe`` / ``args.overrides``) of every ``qwen35-train`` subcommand."""
+    parser.add_argument("recipe", help=recipe_help)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one recipe value (repeatable), e.g. --set train.steps=5",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:

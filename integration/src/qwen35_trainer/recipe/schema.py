@@ -1,40 +1,14 @@
-"""Recipes: YAML files that say what to train, read into frozen dataclasses.
-
-A recipe has four sections: ``model`` (the transformers config of the Qwen3.5 MoE-VLM),
-``data``, ``train`` and ``parallel``. A recipe may name a ``base`` recipe (a path relative to its
-own file); it is read first and the derived recipe's mappings are merged into it key by key
-(lists and scalars replace), so variants state only what differs. ``--set section.key=value``
-overrides apply last, with the value parsed as YAML.
-
-Nothing is dropped silently: an unknown section or key, a value of the wrong type, or a
-``model.text`` / ``model.vision`` key that the transformers config does not have raises
-``ValueError`` naming the key and what is allowed.
-"""
+"""The recipe's schema: four frozen dataclasses, one per section (``model``, ``data``,
+``train``, ``parallel``), each checking its own values (every bad value of a section reported in
+one ``ValueError``), and the derivations that belong to a section (``DataRecipe.rows_per_step``,
+``ParallelRecipe.world`` / ``filling``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
-import types
-import typing
-from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from qwen35_trainer.model_path import with_checkpoint_config
-
-__all__ = [
-    "DataRecipe",
-    "ModelRecipe",
-    "ParallelRecipe",
-    "Recipe",
-    "TrainRecipe",
-    "builtin_recipes",
-    "load_recipe",
-    "recipe_from_dict",
-]
+__all__ = ["DataRecipe", "ModelRecipe", "ParallelRecipe", "Recipe", "TrainRecipe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +19,7 @@ class ModelRecipe:
     ``path``: a transformers checkpoint directory, the source of truth: its ``config.json``
     fills ``text``, ``vision`` and the token ids (a value the recipe states must equal it), its
     safetensors are the starting weights and its processor the data's
-    (:mod:`qwen35_trainer.model_path`); ``override``: deliberate changes to ``config.json``
+    (:mod:`qwen35_trainer.recipe.model_path`); ``override``: deliberate changes to ``config.json``
     (``text`` / ``vision`` mappings, token ids). ``weights``: without ``path``, a transformers
     checkpoint directory to start from whose config the recipe states (same architecture)."""
 
@@ -369,170 +343,3 @@ class Recipe:
     data: DataRecipe = DataRecipe()
     train: TrainRecipe = TrainRecipe()
     parallel: ParallelRecipe = ParallelRecipe()
-
-
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
-
-
-def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(dict(out[key]), value)
-        else:
-            out[key] = value
-    return out
-
-
-def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = path.resolve()
-    if path in seen:
-        raise ValueError(f"recipe base cycle: {' -> '.join(str(p) for p in (*seen, path))}")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    return _merge(_read(path.parent / base, (*seen, path)), data)
-
-
-def _override(data: dict[str, Any], item: str) -> dict[str, Any]:
-    key, sep, raw = item.partition("=")
-    if not sep or not key:
-        raise ValueError(f"an override is section.key=value, got {item!r}")
-    *parents, leaf = key.split(".")
-    nested: Any = yaml.safe_load(raw)
-    nested = {leaf: nested}
-    for parent in reversed(parents):
-        nested = {parent: nested}
-    return _merge(data, nested)
-
-
-def _coerce(where: str, hint: Any, value: Any) -> Any:
-    """``value`` checked against the annotation ``hint`` (YAML lists become tuples)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(where, option, value)
-            except ValueError:
-                continue
-        raise ValueError(f"{where}: expected {hint}, got {value!r}")
-    if origin is tuple:
-        args = typing.get_args(hint)
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where}: expected a list, got {value!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(f"{where}[{i}]", args[0], v) for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ValueError(f"{where}: expected {len(args)} items, got {value!r}")
-        return tuple(
-            _coerce(f"{where}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value, strict=True))
-        )
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ValueError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-        return float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
-    if hint in (bool, int, float, str) and (type(value) is not hint):
-        raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
-    return value
-
-
-def _section(name: str, cls: type, values: Any) -> Any:
-    if not isinstance(values, Mapping):
-        raise ValueError(f"recipe section {name!r} must be a mapping, got {values!r}")
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(set(values) - set(hints))
-    if unknown:
-        raise ValueError(
-            f"unknown recipe key(s) {[f'{name}.{k}' for k in unknown]}; {name} has {sorted(hints)}"
-        )
-    kwargs = {k: _coerce(f"{name}.{k}", hints[k], v) for k, v in values.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as err:
-        raise ValueError(f"recipe section {name!r}: {err}") from err
-
-
-def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
-    """A :class:`Recipe` from a mapping of sections (what a YAML recipe holds)."""
-    unknown = sorted(set(data) - set(_SECTIONS))
-    if unknown:
-        raise ValueError(f"unknown recipe section(s) {unknown}; known: {sorted(_SECTIONS)}")
-    if "model" not in data:
-        raise ValueError("a recipe needs a 'model' section")
-    data = with_checkpoint_config(dict(data))
-    hints = typing.get_type_hints(Recipe)
-    return Recipe(**{name: _section(name, hints[name], data[name]) for name in data})
-
-
-def _builtin_recipes_dir() -> Path:
-    """The built-in recipes: inside an installed wheel ``qwen35_trainer/recipes`` (the
-    top-level ``recipes/`` folder, force-included by the build), else that folder of the
-    source tree (a workspace or editable install)."""
-    packaged = Path(__file__).parent / "recipes"
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
-
-
-BUILTIN_RECIPES = _builtin_recipes_dir()
-
-
-def builtin_recipes() -> list[str]:
-    """Names of the recipes shipped with the package (``qwen35-train NAME``); ``base.yaml``
-    and the ``_*.yaml`` files, settings recipes share, are not recipes of their own."""
-    return sorted(
-        p.stem
-        for p in BUILTIN_RECIPES.glob("*.yaml")
-        if p.stem != "base" and not p.stem.startswith("_")
-    )
-
-
-def recipe_path(name_or_path: str | Path) -> Path:
-    """A recipe file: ``name_or_path`` itself when it exists, else the built-in recipe of that
-    name; ``ValueError`` naming both possibilities otherwise."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    builtin = BUILTIN_RECIPES / f"{name_or_path}.yaml"
-    if path.suffix == "" and builtin.is_file():
-        return builtin
-    raise ValueError(
-        f"no recipe file {str(path)!r} and no built-in recipe of that name (built-in: "
-        f"{', '.join(builtin_recipes())})"
-    )
-
-
-def add_recipe_arguments(
-    parser, *, recipe_help: str = "a YAML recipe file, or a built-in recipe's name"
-) -> None:
-    """The ``RECIPE`` argument and the repeatable ``--set SECTION.KEY=VALUE`` overrides (read
-    back as ``args.recipe`` / ``args.overrides``) of every ``qwen35-train`` subcommand."""
-    parser.add_argument("recipe", help=recipe_help)
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one recipe value (repeatable), e.g. --set train.steps=5",
-    )
-
-
-def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
-    """Read a YAML recipe (a path, or a built-in recipe's name; following ``base``), apply
-    ``section.key=value`` overrides."""
-    data = _read(recipe_path(path))
-    for item in overrides:
-        data = _override(data, item)
-    return recipe_from_dict(data)
