@@ -59,11 +59,13 @@ def quiet_cpu_notices() -> None:
     """Drop torch's "No CUDA runtime is found, using CUDA_HOME=..." notice on a machine without
     a GPU: Inductor's C++ builder imports ``torch.utils.cpp_extension``, which says it once per
     process whenever a CUDA toolkit is installed — on CPU it changes nothing."""
-    if torch.cuda.is_available():
-        return
-    logging.getLogger("torch.utils.cpp_extension").addFilter(
-        lambda record: not record.getMessage().startswith("No CUDA runtime is found")
-    )
+    notices = logging.getLogger("torch.utils.cpp_extension")
+    if not torch.cuda.is_available() and _no_cuda_home_notice not in notices.filters:
+        notices.addFilter(_no_cuda_home_notice)
+
+
+def _no_cuda_home_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("No CUDA runtime is found")
 
 
 class Console:
