@@ -193,14 +193,14 @@ def saved_activation_bytes(overrides) -> dict[str, int]:
 
     from qwen35_trainer import build_training_model
     from qwen35_trainer.data.feed import micro_batches
-    from qwen35_trainer.train.step import count_valid
+    from qwen35_trainer.train.step import count_targets
 
     r = load_recipe(TINY, overrides)
     device = torch.device("cpu")
     objective, layout = build_training_model(r, device)
     model = objective.model
     micro, _ = micro_batches(r, model.config, layout, 0, device)
-    valid = count_valid(micro, layout, device)
+    valid, _ = count_targets(micro, layout, device)
     seen: dict[int, int] = {}
 
     def storage(t):

@@ -102,7 +102,7 @@ def _answer_accuracy(objective, recipe, root) -> tuple[float, float]:
         for i, line in enumerate((root / "heldout.jsonl").read_text().splitlines()):
             sample = encoder(json.loads(line), f"heldout.jsonl:{i}", root)
             batch, packed = pack([sample], model.config, pad_token_id=0)
-            hidden, labels, _ = packed_hidden_states(model.model, batch, packed)
+            hidden, labels, *_ = packed_hidden_states(model.model, batch, packed)
             labels = labels[0]
             guess = (hidden[0] @ model.lm_head.weight.T).argmax(-1)
             at = 0

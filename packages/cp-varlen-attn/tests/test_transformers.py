@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 from cp_varlen_attn.transformers import (  # noqa: E402
     ATTENTION,
     check_transformers,
+    embed_packed_row,
     enable_packing,
     mrope_positions,
     pack_for_model,
@@ -268,8 +269,10 @@ class _Calls:
         self.grids.append(kwargs["grid_thw"] if "grid_thw" in kwargs else args[1])
 
 
-@pytest.mark.parametrize("encoder", ["model's", "vision="])
+@pytest.mark.parametrize("encoder", ["model's", "vision=", "inputs_embeds="])
 def test_packed_hidden_states_with_images_and_videos_equal_separate_documents(encoder):
+    """``inputs_embeds=``: the row embedded first (:func:`embed_packed_row`, as a caller that
+    also reads the embeddings does), then passed in: the same hidden states and gradients."""
     model = tiny_vlm()
     reference = copy.deepcopy(model)
     docs = [*documents(), mixed_document()]  # images and videos in one row, and in one document
@@ -285,7 +288,12 @@ def test_packed_hidden_states_with_images_and_videos_equal_separate_documents(en
             return model.model.visual(pixels, grid_thw=grid).pooler_output
 
     calls = _Calls(model.model.visual)
-    hidden, labels, mask = packed_hidden_states(model, row, vision=vision)
+    if encoder == "inputs_embeds=":
+        embeds = embed_packed_row(model, row)
+        assert embeds.shape == (*row["input_ids"].shape, model.config.text_config.hidden_size)
+        hidden, labels, mask = packed_hidden_states(model, row, inputs_embeds=embeds)
+    else:
+        hidden, labels, mask = packed_hidden_states(model, row, vision=vision)
     calls.handle.remove()
     assert len(calls.grids) == 1  # one tower call for the row's images AND videos
     assert torch.equal(calls.grids[0], torch.cat([row["image_grid_thw"], row["video_grid_thw"]]))

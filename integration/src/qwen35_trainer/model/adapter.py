@@ -12,8 +12,9 @@ the routed experts, which come in two layouts:
   ``cat(gate_e, up_e)`` along its rows (transformers' own conversion, checked by the tests
   against ``from_pretrained``).
 
-Multi-token-prediction tensors (``mtp.*``) have no runtime counterpart: they are reported and
-skipped. :class:`CheckpointFiles` reads tensors through the safetensors library (no pickle),
+Multi-token-prediction tensors (``mtp.*``) load like the rest when the model has its MTP head
+(:mod:`qwen35_trainer.model.mtp`); a model without one (``model.mtp_layers: 0``) reports and
+skips them (``skipped``). :class:`CheckpointFiles` reads tensors through the safetensors library (no pickle),
 row spans only (``safe_open(...).get_slice``), so a rank never reads more than its shard's
 dim-0 span of one tensor at a time.
 """
@@ -27,10 +28,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SKIPPED_PREFIXES", "CheckpointFiles", "StateDictAdapter"]
-
-# On-disk tensors with no runtime counterpart, skipped (and reported).
-SKIPPED_PREFIXES = ("mtp.",)
+__all__ = ["CheckpointFiles", "StateDictAdapter"]
 
 _STACKED = re.compile(r"^(?P<base>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
@@ -94,10 +92,13 @@ class CheckpointFiles:
 
 
 class StateDictAdapter:
-    """Runtime name → a reader of its rows from ``files``, checked against the runtime shapes."""
+    """Runtime name → a reader of its rows from ``files``, checked against the runtime shapes.
+    ``skipped``: prefixes of on-disk tensors the model has no place for, left unread (and
+    reported) instead of refused."""
 
-    def __init__(self, files: CheckpointFiles) -> None:
+    def __init__(self, files: CheckpointFiles, *, skipped: tuple[str, ...] = ()) -> None:
         self.files = files
+        self.skipped = skipped
         self.used: set[str] = set()
 
     def reader(self, name: str, shape: tuple[int, ...], problems: list[str]) -> RowReader | None:
@@ -154,5 +155,5 @@ class StateDictAdapter:
     def unused(self) -> tuple[list[str], list[str]]:
         """On-disk tensors no runtime tensor read: ``(skipped, unexpected)``."""
         rest = sorted(set(self.files.where) - self.used)
-        skipped = [k for k in rest if k.startswith(SKIPPED_PREFIXES)]
-        return skipped, [k for k in rest if not k.startswith(SKIPPED_PREFIXES)]
+        skipped = [k for k in rest if self.skipped and k.startswith(self.skipped)]
+        return skipped, [k for k in rest if not (self.skipped and k.startswith(self.skipped))]

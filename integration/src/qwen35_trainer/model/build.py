@@ -18,6 +18,8 @@ materialise on the host.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -26,12 +28,15 @@ from moe_parallel import MoE, swap_moe_blocks
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.init import init_rows, init_rule
 from qwen35_trainer.model.load import load_hf_weights
+from qwen35_trainer.model.mtp import add_mtp
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index, read_local
 from qwen35_trainer.recipe import ModelRecipe
 
 __all__ = ["build_meta_model", "build_model", "init_parameters", "materialize", "moe_blocks"]
+
+logger = logging.getLogger("qwen35_trainer")
 
 
 def moe_blocks(model: nn.Module) -> list[MoE]:
@@ -40,14 +45,16 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
 
 
 def build_meta_model(model_recipe: ModelRecipe, *, packing: bool = False) -> nn.Module:
-    """The recipe's model (MoE swapped; with ``packing`` adapted to packed rows,
-    :func:`qwen35_trainer.model.packed.enable_packing`) on the meta device: shapes only, no
-    storage."""
+    """The recipe's model (its multi-token-prediction head ``mtp`` added when
+    ``model.mtp_layers`` asks for one, :mod:`qwen35_trainer.model.mtp`; MoE swapped; with
+    ``packing`` adapted to packed rows, :func:`qwen35_trainer.model.packed.enable_packing`) on
+    the meta device: shapes only, no storage."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     config = build_config(model_recipe)
     with torch.device("meta"):
         model = Qwen3_5MoeForConditionalGeneration(config)
+        add_mtp(model)
         swap_moe_blocks(model, expert_backend=model_recipe.expert_backend)
     if packing:
         enable_packing(model)
@@ -58,11 +65,14 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def init_parameters(model: nn.Module, seed: int) -> None:
-    """Fill every (materialised) parameter's local shard with its name-seeded initial value."""
+def init_parameters(model: nn.Module, seed: int, names: set[str] | None = None) -> None:
+    """Fill every (materialised) parameter's local shard — or only those of ``names`` — with
+    its name-seeded initial value."""
     std = model.config.text_config.initializer_range
     with torch.no_grad():
         for name, module, attr, param in named_parameters(model):
+            if names is not None and name not in names:
+                continue
             rule = init_rule(module, attr, std)
             padding = getattr(module, "padding_idx", None) if attr == "weight" else None
             value = read_local(
@@ -86,17 +96,32 @@ def _rebuild_buffers(model: nn.Module) -> None:
 
 
 def materialize(
-    model: nn.Module, device: torch.device | str, *, seed: int = 0, weights: str | None = None
+    model: nn.Module,
+    device: torch.device | str,
+    *,
+    seed: int = 0,
+    weights: str | None = None,
+    init_missing_mtp: bool = False,
 ) -> nn.Module:
     """Allocate the meta ``model``'s local shards on ``device`` and fill them (module
-    docstring); in place, returns ``model``."""
+    docstring; ``init_missing_mtp``: a checkpoint without ``mtp.*`` leaves the MTP head to the
+    seeded initialisation, :func:`qwen35_trainer.model.load.load_hf_weights`); in place,
+    returns ``model``."""
     model.to_empty(device=device)
     with torch.no_grad():
         _rebuild_buffers(model)
     if weights is None:
         init_parameters(model, seed)
-    else:
-        load_hf_weights(model, weights)
+        return model
+    unfilled = load_hf_weights(model, weights, init_missing_mtp=init_missing_mtp)
+    if unfilled:
+        init_parameters(model, seed, set(unfilled))
+        logger.warning(
+            "checkpoint %s has no multi-token-prediction tensors (mtp.*): the MTP head's %d "
+            "tensors start from the seeded initialisation (model.init_missing_mtp: true)",
+            weights,
+            len(unfilled),
+        )
     return model
 
 
@@ -104,5 +129,9 @@ def build_model(model_recipe: ModelRecipe, *, seed: int = 0) -> nn.Module:
     """The recipe's model on the host, unsharded: name-seeded random weights, or
     ``model_recipe.weights`` loaded."""
     return materialize(
-        build_meta_model(model_recipe), "cpu", seed=seed, weights=model_recipe.weights_dir
+        build_meta_model(model_recipe),
+        "cpu",
+        seed=seed,
+        weights=model_recipe.weights_dir,
+        init_missing_mtp=model_recipe.init_missing_mtp,
     )

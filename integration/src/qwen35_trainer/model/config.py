@@ -20,9 +20,15 @@ from qwen35_trainer.recipe import ModelRecipe
 __all__ = ["build_config", "check_shapes"]
 
 
+# config.json keys of the public checkpoints that transformers' config class does not declare
+# (it keeps them as plain attributes): the multi-token-prediction depth (:mod:`.mtp`).
+UNDECLARED_TEXT_KEYS = ("mtp_num_hidden_layers",)
+
+
 def _checked(name: str, config_cls: type, values: dict[str, Any]) -> dict[str, Any]:
     default = config_cls()
-    unknown = sorted(k for k in values if not hasattr(default, k))
+    known = UNDECLARED_TEXT_KEYS if name == "text" else ()
+    unknown = sorted(k for k in values if not hasattr(default, k) and k not in known)
     if unknown:
         raise ValueError(f"model.{name}: {config_cls.__name__} has no field(s) {unknown}")
     return values
@@ -70,6 +76,9 @@ def build_config(model_recipe: ModelRecipe) -> Any:
     if outside:
         raise ValueError(f"model token ids {outside} lie outside the vocabulary [0, {vocab})")
     check_shapes(config)
+    # what the model builds and an export's config.json states (servers read it to load mtp.*)
+    if model_recipe.mtp_depth or "mtp_num_hidden_layers" in text:
+        config.text_config.mtp_num_hidden_layers = model_recipe.mtp_depth
     if (
         model_recipe.weights is not None
         and not (Path(model_recipe.weights) / "config.json").is_file()

@@ -7,6 +7,12 @@ all-reduce on the group's device) and then all raise the same ``ValueError`` lis
 a bad checkpoint never leaves a rank waiting in a collective. Then each parameter's local
 shard is read as the dim-0 span of its shard (:func:`~qwen35_trainer.model.shards.read_local`)
 and copied in: host memory holds this rank's shards plus one tensor's slice.
+
+The multi-token-prediction head (``mtp.*``, :mod:`qwen35_trainer.model.mtp`) loads strictly
+like every other tensor. A checkpoint with no ``mtp.*`` tensor at all for a model with the head
+is one clear error, unless ``init_missing_mtp``: then the head's parameters are returned
+unfilled (the caller initialises them, and it is logged); a model without the head skips the
+checkpoint's ``mtp.*`` tensors (logged).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from qwen35_trainer.model.adapter import CheckpointFiles, StateDictAdapter
+from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index, read_local
 from qwen35_trainer.parallel.dist import any_rank
@@ -28,19 +35,38 @@ __all__ = ["load_hf_weights"]
 logger = logging.getLogger("qwen35_trainer")
 
 
-def load_hf_weights(model: nn.Module, path: str | Path) -> None:
+def load_hf_weights(
+    model: nn.Module, path: str | Path, *, init_missing_mtp: bool = False
+) -> list[str]:
     """Fill every parameter of ``model`` (materialised, sharded or not) from the transformers
-    checkpoint directory ``path``; ``ValueError`` on every rank listing what does not fit."""
+    checkpoint directory ``path``; ``ValueError`` on every rank listing what does not fit.
+    Returns the names left unfilled: the MTP head's when the checkpoint has none and
+    ``init_missing_mtp`` (module docstring), else none."""
     params = list(named_parameters(model))
     device = params[0][3].device if params else torch.device("cpu")
+    mtp = [name for name, _, _, _ in params if name.startswith(MTP_PREFIX)]
     problems: list[str] = []
     try:
-        adapter = StateDictAdapter(CheckpointFiles(path))
+        adapter = StateDictAdapter(CheckpointFiles(path), skipped=() if mtp else (MTP_PREFIX,))
     except ValueError as err:
         adapter, problems = None, [str(err)]
     readers = {}
+    unfilled: list[str] = []
     if adapter is not None:
+        mtp_absent = bool(mtp) and not any(k.startswith(MTP_PREFIX) for k in adapter.files.where)
+        if mtp_absent:
+            if init_missing_mtp:
+                unfilled = mtp
+            else:
+                problems.append(
+                    f"no multi-token-prediction tensors (mtp.*) on disk for the model's "
+                    f"{model.config.text_config.mtp_num_hidden_layers}-layer MTP head ({len(mtp)} "
+                    "tensors): set model.mtp_layers: 0 to train without it, or "
+                    "model.init_missing_mtp: true to start it from the seeded initialisation"
+                )
         for name, _, _, param in params:
+            if mtp_absent and name.startswith(MTP_PREFIX):
+                continue
             readers[name] = adapter.reader(name, tuple(param.shape), problems)
         skipped, unexpected = adapter.unused()
         problems += [f"{key}: on disk, not in the model" for key in unexpected]
@@ -55,10 +81,16 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
         )
     if skipped:
         logger.info(
-            "checkpoint %s: skipped %d multi-token-prediction tensors (mtp.*)", path, len(skipped)
+            "checkpoint %s: skipped %d multi-token-prediction tensors (mtp.*): the model has "
+            "no MTP head (model.mtp_layers: 0)",
+            path,
+            len(skipped),
         )
     with torch.no_grad():
         for name, _, _, param in params:
+            if name not in readers:
+                continue
             local = param.to_local() if isinstance(param, DTensor) else param
             value = read_local(readers[name], local_index(param))
             local.copy_(value.to(local.dtype))
+    return unfilled

@@ -37,7 +37,9 @@ from chunked_loss import global_num_valid_tokens, linear_cross_entropy
 from moe_parallel import MoE, load_balancing_loss
 from qwen35_trainer.data import IGNORE_INDEX, Batch
 from qwen35_trainer.data.packing import PackedInputs
+from qwen35_trainer.model.accuracy import ACCURACY_CHUNK, count_correct
 from qwen35_trainer.model.build import moe_blocks
+from qwen35_trainer.model.mtp import mtp_shares
 from qwen35_trainer.model.packed import dummy_vision, packed_hidden_states
 
 __all__ = ["LossShares", "RouterLogits", "TrainingObjective", "shifted_labels"]
@@ -45,13 +47,16 @@ __all__ = ["LossShares", "RouterLogits", "TrainingObjective", "shifted_labels"]
 
 @dataclasses.dataclass
 class LossShares:
-    """This rank's shares (scalars, fp32): the step's loss is ``ce + aux_coef * aux`` summed
-    over ranks."""
+    """This rank's shares (fp32): the step's loss is ``ce + aux_coef * aux + mtp_weight *
+    mean(mtp)`` summed over ranks (:func:`qwen35_trainer.train.step.total_loss`; ``mtp``: each
+    depth's MTP cross-entropy share, [D]; ``None`` without the head)."""
 
     ce: torch.Tensor
     aux: torch.Tensor
     tokens: int  # valid labels in the global batch
     correct: torch.Tensor | None = None  # this rank's labels predicted right (with accuracy)
+    mtp: torch.Tensor | None = None
+    mtp_correct: torch.Tensor | None = None  # depth 1's targets (token t + 2) predicted right
 
 
 class RouterLogits:
@@ -71,13 +76,17 @@ class RouterLogits:
 
 
 class TrainingObjective(nn.Module):
-    """Wraps a Qwen3.5 MoE-VLM (MoE blocks swapped, see :mod:`qwen35_trainer.model`)."""
+    """Wraps a Qwen3.5 MoE-VLM (MoE blocks swapped, see :mod:`qwen35_trainer.model`) and, when
+    it has one, its multi-token-prediction head ``model.mtp`` (:mod:`qwen35_trainer.model.
+    mtp`; packed rows only). The aux loss and the router statistics are the decoder's MoE
+    layers' (as transformers defines them), not the MTP head's."""
 
     def __init__(self, model: nn.Module, *, loss_chunk_size: int | None = None) -> None:
         super().__init__()
         self.model = model
         self.loss_chunk_size = loss_chunk_size
-        self.router = RouterLogits(moe_blocks(model))
+        self.router = RouterLogits(moe_blocks(model.model))
+        self.mtp_depth = len(model.mtp.layers) if hasattr(model, "mtp") else 0
 
     def forward(
         self,
@@ -86,15 +95,22 @@ class TrainingObjective(nn.Module):
         packed: PackedInputs | None = None,
         *,
         num_valid_tokens: int | None = None,
+        num_valid_mtp: tuple[int, ...] | None = None,
         accuracy: bool = False,
     ) -> LossShares:
         """``group``: every rank holding other tokens of the global batch (``None`` for one
         process); the aux statistics (and, unless ``num_valid_tokens`` is given, the valid
         labels) are summed over it. ``packed``: the row's positions and layout when ``batch``
         is one packed row (the model adapted with :func:`qwen35_trainer.packing.enable_packing`);
-        ``None`` for right-padded rows. ``num_valid_tokens``: the step's global valid-label
-        count when the caller counted it (over all micro-batches)."""
+        ``None`` for right-padded rows. ``num_valid_tokens`` / ``num_valid_mtp``: the step's
+        global valid-label count / each MTP depth's valid-target count when the caller counted
+        them (over all micro-batches)."""
         vlm = self.model.model
+        if self.mtp_depth and packed is None:
+            raise ValueError(
+                "the multi-token-prediction head (model.mtp_layers > 0) trains on packed rows "
+                "(data.packing: true)"
+            )
         # before the decoder, where ranks with images run the tower: FSDP's collectives then
         # come in the same order on every rank
         dummy = None if batch.has_media else dummy_vision(vlm)
@@ -115,7 +131,7 @@ class TrainingObjective(nn.Module):
             hidden_BSH = outputs.last_hidden_state[:, :-1]
             labels_BS, tokens_BS = shifted_labels(batch), batch.attention_mask
         else:
-            hidden_BSH, labels_BS, tokens_BS = packed_hidden_states(vlm, batch, packed)
+            hidden_BSH, labels_BS, tokens_BS, embeds_BSH = packed_hidden_states(vlm, batch, packed)
         if num_valid_tokens is None:
             num_valid_tokens = count_valid_labels(labels_BS, group)
         head = self.model.lm_head
@@ -141,36 +157,23 @@ class TrainingObjective(nn.Module):
                 labels_BS,
                 self.loss_chunk_size or ACCURACY_CHUNK,
             )
-        return LossShares(ce=ce, aux=aux, tokens=num_valid_tokens, correct=correct)
-
-
-ACCURACY_CHUNK = 4096  # tokens per arg-max chunk: [4096, vocab] logits at a time
-
-
-@torch.no_grad()
-def count_correct(
-    hidden_BSH: torch.Tensor,
-    weight_VH: torch.Tensor,
-    bias_V: torch.Tensor | None,
-    labels_BS: torch.Tensor,
-    chunk: int,
-) -> torch.Tensor:
-    """How many valid labels equal the arg-max of ``hidden @ weight.T (+ bias)``, computed
-    ``chunk`` tokens at a time (fp32 scalar)."""
-    if hasattr(weight_VH, "full_tensor"):  # a DTensor (TP): the whole head
-        weight_VH = weight_VH.full_tensor()
-        bias_V = bias_V.full_tensor() if bias_V is not None else None
-    hidden_NH = hidden_BSH.reshape(-1, hidden_BSH.shape[-1])
-    labels_N = labels_BS.reshape(-1)
-    keep = labels_N != IGNORE_INDEX
-    hidden_NH, labels_N = hidden_NH[keep], labels_N[keep]
-    correct = torch.zeros((), device=hidden_BSH.device)
-    for first in range(0, labels_N.numel(), chunk):
-        logits = hidden_NH[first : first + chunk] @ weight_VH.to(hidden_NH.dtype).T
-        if bias_V is not None:
-            logits = logits + bias_V
-        correct += (logits.argmax(-1) == labels_N[first : first + chunk]).sum()
-    return correct
+        shares = LossShares(ce=ce, aux=aux, tokens=num_valid_tokens, correct=correct)
+        if self.mtp_depth:
+            mtp = mtp_shares(
+                self.model.mtp,
+                vlm.language_model,
+                head,
+                hidden_BSH,
+                embeds_BSH,
+                batch.labels,
+                packed,
+                num_valid_mtp or (None,) * self.mtp_depth,
+                loss_group=group,
+                chunk_size=self.loss_chunk_size,
+                accuracy_chunk=(self.loss_chunk_size or ACCURACY_CHUNK) if accuracy else None,
+            )
+            shares.mtp, shares.mtp_correct = mtp.ce, mtp.correct
+        return shares
 
 
 def count_valid_labels(labels: torch.Tensor, group: Any = None) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cp_varlen_attn.transformers import enable_packing
+from cp_varlen_attn.transformers import embed_packed_row, enable_packing
 from cp_varlen_attn.transformers import packed_hidden_states as cp_packed_hidden_states
 from cp_vision import run_vision_sharded
 from qwen35_trainer.data.batch import Batch, present_media
@@ -29,10 +29,12 @@ __all__ = ["dummy_vision", "enable_packing", "image_features", "packed_hidden_st
 
 def packed_hidden_states(
     vlm: nn.Module, batch: Batch, packed: PackedInputs
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This CP rank's final hidden states [1, T, H], next-token labels [1, T] and token mask:
-    :func:`cp_varlen_attn.transformers.packed_hidden_states` of the row, with the vision frames
-    sharded over the CP ranks (:func:`image_features`) under CP."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This CP rank's final hidden states [1, T, H], next-token labels [1, T] and token mask,
+    and the WHOLE row's input embeddings [1, S, H] (the MTP head reads them,
+    :mod:`qwen35_trainer.model.mtp`): :func:`cp_varlen_attn.transformers.packed_hidden_states`
+    of the row, with the vision frames sharded over the CP ranks (:func:`image_features`) under
+    CP."""
     row = {
         "input_ids": batch.input_ids,
         "labels": batch.labels,
@@ -44,7 +46,11 @@ def packed_hidden_states(
     vision = None
     if packed.group is not None:
         vision = functools.partial(image_features, vlm, group=packed.group)
-    return cp_packed_hidden_states(vlm, row, packed.group, vision=vision)
+    embeds_BSH = embed_packed_row(vlm, row, vision=vision)
+    hidden, labels, tokens = cp_packed_hidden_states(
+        vlm, row, packed.group, inputs_embeds=embeds_BSH
+    )
+    return hidden, labels, tokens, embeds_BSH
 
 
 def image_features(

@@ -27,5 +27,11 @@ def build_training_model(
     objective = TrainingObjective(model, loss_chunk_size=recipe.train.loss_chunk_size)
     layout = parallelize(objective, recipe, device, dims=dims)
     if materialize:
-        build.materialize(model, device, seed=recipe.train.seed, weights=recipe.model.weights_dir)
+        build.materialize(
+            model,
+            device,
+            seed=recipe.train.seed,
+            weights=recipe.model.weights_dir,
+            init_missing_mtp=recipe.model.init_missing_mtp,
+        )
     return objective, layout

@@ -10,7 +10,7 @@ from qwen35_trainer.parallel.apply import (
     validate_layout,
 )
 from qwen35_trainer.parallel.dims import EP_FIRST, MeshAxis, Meshes, ParallelDims
-from qwen35_trainer.parallel.tp_plan import TP_PLAN
+from qwen35_trainer.parallel.tp_plan import TP_PLAN, tp_plan
 
 __all__ = [
     "EP_FIRST",
@@ -22,5 +22,6 @@ __all__ = [
     "ParallelDims",
     "apply_parallelism",
     "parallelize",
+    "tp_plan",
     "validate_layout",
 ]

@@ -5,7 +5,7 @@ launch (:func:`validate_layout`, every reason in one message), builds the meshes
 (:class:`~qwen35_trainer.parallel.dims.ParallelDims`; one process too, on its one-rank group:
 the same program as every layout) and applies, in place:
 
-- TP (``tp > 1``): :data:`~qwen35_trainer.parallel.tp_plan.TP_PLAN` on the dense mesh's "tp"
+- TP (``tp > 1``): :func:`~qwen35_trainer.parallel.tp_plan.tp_plan` on the dense mesh's "tp"
   dim — attention heads and the shared expert split, routed experts and routers never — and
   every Gated DeltaNet layer split by heads (:mod:`qwen35_trainer.parallel.tp_gdn`);
 - EP (``ep > 1``): every MoE's routed experts ``Shard(0)`` on the expert mesh's "ep" dim
@@ -55,7 +55,7 @@ from moe_parallel import (
 from qwen35_trainer.parallel.dims import MeshAxis, Meshes, ParallelDims
 from qwen35_trainer.parallel.dist import init_distributed, world
 from qwen35_trainer.parallel.tp_gdn import split_gated_deltanet
-from qwen35_trainer.parallel.tp_plan import TP_PLAN
+from qwen35_trainer.parallel.tp_plan import tp_plan
 
 __all__ = [
     "FSDP_UNITS",
@@ -109,6 +109,12 @@ def validate_layout(recipe: Any, world_size: int) -> ParallelDims:
         reasons.append(
             "parallel.cp > 1 needs data.packing: context parallelism splits ONE packed row "
             "over the CP ranks by its document layout"
+        )
+    if recipe.model.mtp_depth and not packing:
+        reasons.append(
+            f"model.mtp_layers={recipe.model.mtp_depth} needs data.packing: the "
+            "multi-token-prediction head reads each document's next tokens from the packed "
+            "row's layout (or set model.mtp_layers: 0)"
         )
     if parallel.tp > 1 and not packing:
         reasons.append(
@@ -182,7 +188,7 @@ def apply_parallelism(
     dims, model = meshes.dims, objective.model
     if dims.tp > 1:
         check_tp_heads(model.config.text_config, dims.tp)
-        apply_tensor_parallel(model, meshes.tp, TP_PLAN)
+        apply_tensor_parallel(model, meshes.tp, tp_plan(model))
         for layer in gated_deltanet_layers(model):
             split_gated_deltanet(layer, meshes.tp)
     if dims.ep > 1:

@@ -21,7 +21,13 @@ class ModelRecipe:
     safetensors are the starting weights and its processor the data's
     (:mod:`qwen35_trainer.recipe.model_path`); ``override``: deliberate changes to ``config.json``
     (``text`` / ``vision`` mappings, token ids). ``weights``: without ``path``, a transformers
-    checkpoint directory to start from whose config the recipe states (same architecture)."""
+    checkpoint directory to start from whose config the recipe states (same architecture).
+
+    ``mtp_layers``: depth of the multi-token-prediction head (``mtp.*``, :mod:`qwen35_trainer.
+    model.mtp`); ``None`` takes ``text.mtp_num_hidden_layers`` (1 in the public checkpoints, 0
+    when absent), 0 turns it off (nothing trained, none exported). ``init_missing_mtp``: a
+    starting checkpoint without ``mtp.*`` tensors is an error while the head is on, unless this
+    is true: then the head starts from the name-seeded initialisation (logged)."""
 
     text: dict[str, Any]
     vision: dict[str, Any]
@@ -33,6 +39,8 @@ class ModelRecipe:
     weights: str | None = None
     path: str | None = None
     override: dict[str, Any] = dataclasses.field(default_factory=dict)
+    mtp_layers: int | None = None
+    init_missing_mtp: bool = False
 
     def __post_init__(self) -> None:
         if self.path and self.weights:
@@ -40,6 +48,34 @@ class ModelRecipe:
                 "model.weights and model.path are two sources of weights: with "
                 "model.path the weights are its safetensors (drop model.weights)"
             )
+        depth = self.text.get("mtp_num_hidden_layers", 0)
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            raise ValueError(
+                f"model.text.mtp_num_hidden_layers must be an integer >= 0, got {depth!r}"
+            )
+        _refuse(
+            "model",
+            {
+                "mtp_layers": (
+                    self.mtp_layers is None
+                    or (
+                        isinstance(self.mtp_layers, int)
+                        and not isinstance(self.mtp_layers, bool)
+                        and self.mtp_layers >= 0
+                    ),
+                    "an integer >= 0, or null for model.text.mtp_num_hidden_layers",
+                ),
+            },
+            self,
+        )
+
+    @property
+    def mtp_depth(self) -> int:
+        """The multi-token-prediction layers the model has: ``mtp_layers``, else the text
+        config's ``mtp_num_hidden_layers`` (0 when absent)."""
+        if self.mtp_layers is not None:
+            return self.mtp_layers
+        return int(self.text.get("mtp_num_hidden_layers", 0))
 
     @property
     def weights_dir(self) -> str | None:
@@ -222,7 +258,10 @@ class TrainRecipe:
     AsyncCheckpointer`). ``prewarm``: before the first step, initialise cuBLAS, the communicators of every mesh and
     fla's kernels (:func:`setup_prewarm.prewarm`, best-effort; its report is logged).
     ``output_dir``: the run folder (resolved recipe, ``metrics.jsonl``, TensorBoard events,
-    ``loss.png``, per-rank logs; :mod:`qwen35_trainer.train.run_folder`); ``None`` writes none."""
+    ``loss.png``, per-rank logs; :mod:`qwen35_trainer.train.run_folder`); ``None`` writes none.
+    ``mtp_loss_weight``: with a multi-token-prediction head (``model.mtp_layers``), its
+    cross-entropy (mean over depths, each normalised by its own valid targets) is added to the
+    loss with this weight (0.1, Megatron-Bridge's default)."""
 
     steps: int = 10
     optimizer: str = "adamw"
@@ -254,6 +293,7 @@ class TrainRecipe:
     on_nonfinite: str = "stop"
     max_skipped_steps: int = 5
     deterministic: bool = True
+    mtp_loss_weight: float = 0.1
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas
@@ -289,6 +329,7 @@ class TrainRecipe:
                 "eval_steps": (self.eval_steps >= 1, ">= 1"),
                 "on_nonfinite": (self.on_nonfinite in ON_NONFINITE, f"one of {ON_NONFINITE}"),
                 "max_skipped_steps": (self.max_skipped_steps >= 1, ">= 1"),
+                "mtp_loss_weight": (self.mtp_loss_weight >= 0, ">= 0"),
                 "checkpoint_every": (
                     self.checkpoint_every == 0
                     or (self.checkpoint_every > 0 and bool(self.checkpoint_dir or self.output_dir)),

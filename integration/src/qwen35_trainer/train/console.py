@@ -121,8 +121,12 @@ class Console:
             f"tokens {log.tokens}  {rate:.0f} tok/s  {log.seconds * 1000:.0f} ms  "
             f"eta {self.eta(log)}"
         )
+        if log.mtp_loss is not None:
+            line += "  mtp_loss " + "/".join(f"{v:.4f}" for v in log.mtp_loss)
         if log.fill is not None:
             line += f"  fill {log.fill:.2f}"
         if log.eval_loss is not None:
             line += f"  eval {log.eval_loss:.4f}  accuracy {log.eval_accuracy:.3f}"
+        if log.eval_mtp_accuracy is not None:
+            line += f"  mtp_accuracy {log.eval_mtp_accuracy:.3f}"
         return line

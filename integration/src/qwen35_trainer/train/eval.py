@@ -2,7 +2,10 @@
 held-out global batches, split over the ranks as training is (the batches always come from
 :meth:`qwen35_trainer.data.feed.Feed.eval_batches`, for both streams). Each rank adds its
 tokens' shares of the loss (normalised by the global valid-label count, as in training) and its
-correct labels; one all-reduce over the loss group makes them global."""
+correct labels; one all-reduce over the loss group makes them global. With the
+multi-token-prediction head the loss includes its term (as in training, :func:`~qwen35_trainer.
+train.step.total_loss`) and ``mtp_accuracy`` is the head's depth-1 top-1 accuracy on token
+``t + 2`` over its valid targets — the quantity that predicts speculative-decoding acceptance."""
 
 from __future__ import annotations
 
@@ -12,42 +15,61 @@ from typing import Any
 import torch
 
 from qwen35_trainer.parallel import Layout
-from qwen35_trainer.train.step import all_reduce_loss_group, count_valid
+from qwen35_trainer.train.step import all_reduce_loss_group, count_targets, total_loss
 
 __all__ = ["EvalResult", "evaluate"]
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
-    """The held-out loss (CE + aux_coef * aux) and next-token accuracy over its labels."""
+    """The held-out loss (:func:`~qwen35_trainer.train.step.total_loss`), next-token accuracy
+    over its labels and, with the MTP head, its depth-1 accuracy (``None`` without)."""
 
     loss: float
     accuracy: float
+    mtp_accuracy: float | None = None
 
 
 @torch.no_grad()
 def evaluate(
-    recipe: Any, objective, layout: Layout, batches, *, aux_coef: float, device: torch.device
+    recipe: Any,
+    objective,
+    layout: Layout,
+    batches,
+    *,
+    aux_coef: float,
+    device: torch.device,
+    mtp_weight: float = 0.0,
 ) -> EvalResult:
     """The global loss and accuracy over ``train.eval_steps`` held-out global batches, split
     over the ranks as training is: ``batches(e)`` gives held-out step ``e``'s micro-batches
     (:meth:`qwen35_trainer.data.feed.Feed.eval_batches`)."""
-    sums = torch.zeros(3, device=device, dtype=torch.float64)  # ce, aux, correct shares
-    labels = 0  # valid labels, global
+    depth = objective.mtp_depth
+    # ce, aux, correct, mtp correct (depth 1), then each depth's MTP cross-entropy: shares
+    sums = torch.zeros(4 + depth, device=device, dtype=torch.float64)
+    labels = mtp_targets = 0  # valid labels / depth-1 MTP targets, global
     for e in range(recipe.train.eval_steps):
         micro = batches(e)
-        num_valid = count_valid(micro, layout, device)
+        num_valid, num_mtp = count_targets(micro, layout, device, depth)
         labels += num_valid
+        mtp_targets += num_mtp[0] if depth else 0
         for batch, packed in micro:
             shares = objective(
-                batch, layout.loss_group, packed, num_valid_tokens=num_valid, accuracy=True
+                batch,
+                layout.loss_group,
+                packed,
+                num_valid_tokens=num_valid,
+                num_valid_mtp=num_mtp,
+                accuracy=True,
             )
-            sums += torch.stack([shares.ce, shares.aux / len(micro), shares.correct]).double()
-    sums = all_reduce_loss_group(
-        sums, layout
-    )  # each rank counted its own tokens: the sum is global
-    steps = recipe.train.eval_steps
+            zero = torch.zeros((), device=device)
+            head = [shares.ce, shares.aux / len(micro), shares.correct]
+            head.append(shares.mtp_correct if depth else zero)
+            sums += torch.cat([torch.stack(head), shares.mtp if depth else zero[:0]]).double()
+    sums = all_reduce_loss_group(sums, layout)  # each rank counted its own tokens: global
+    means = sums / recipe.train.eval_steps
     return EvalResult(
-        loss=float(sums[0] / steps + aux_coef * sums[1] / steps),
+        loss=float(total_loss(means[0], means[1], means[4:], aux_coef, mtp_weight)),
         accuracy=float(sums[2] / labels) if labels else 0.0,
+        mtp_accuracy=(float(sums[3] / mtp_targets) if mtp_targets else 0.0) if depth else None,
     )

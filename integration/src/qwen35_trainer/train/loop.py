@@ -63,7 +63,7 @@ from qwen35_trainer.train.nonfinite import NonFiniteGuard, NonFiniteStep
 from qwen35_trainer.train.preemption import Preempted, StopFlag
 from qwen35_trainer.train.run_folder import RunFolder, resolved_recipe
 from qwen35_trainer.train.schedule import lr_at, optimizer_name, set_lr
-from qwen35_trainer.train.step import train_step
+from qwen35_trainer.train.step import total_loss, train_step
 from safe_optim import build_optimizer
 
 __all__ = ["Setup", "StepLog", "TrainResult", "setup", "start_processes", "train"]
@@ -114,13 +114,19 @@ def start_processes(recipe: Recipe) -> ParallelDims:
 @dataclasses.dataclass
 class Setup:
     """What a run trains, on this rank: the objective (the model parallelised and materialised),
-    its optimizer, where this rank sits, its device and the aux-loss coefficient."""
+    its optimizer, where this rank sits, its device, the aux-loss coefficient and the MTP
+    loss weight (0 without the head)."""
 
     objective: TrainingObjective
     optimizer: torch.optim.Optimizer
     layout: Layout
     device: torch.device
     aux_coef: float
+    mtp_weight: float = 0.0
+
+    def loss_weights(self) -> dict[str, float]:
+        """The keyword arguments :func:`train_step` and :func:`evaluate` weigh the loss with."""
+        return {"aux_coef": self.aux_coef, "mtp_weight": self.mtp_weight}
 
 
 def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
@@ -140,7 +146,8 @@ def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
     )
     coef = training.router_aux_loss_coef
     coef = model.config.text_config.router_aux_loss_coef if coef is None else coef
-    return Setup(objective, optimizer, layout, device, coef)
+    mtp_weight = training.mtp_loss_weight if objective.mtp_depth else 0.0
+    return Setup(objective, optimizer, layout, device, coef, mtp_weight)
 
 
 def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
@@ -204,7 +211,7 @@ def _steps(
     stop. With ``train.async_checkpoint`` a checkpoint is completed by the next one, or before
     the loop returns or stops."""
     objective, optimizer, layout, device = run.objective, run.optimizer, run.layout, run.device
-    training, coef = recipe.train, run.aux_coef
+    training = recipe.train
     peak = peak_flops(device)
     ranks = world()
     writer = AsyncCheckpointer() if checkpoints and training.async_checkpoint else None
@@ -219,12 +226,12 @@ def _steps(
             optimizer,
             micro,
             layout,
-            aux_coef=coef,
             grad_clip=training.grad_clip,
             device=device,
+            **run.loss_weights(),
         )
         seconds = time.perf_counter() - began
-        loss = result.ce + coef * result.aux
+        loss = total_loss(result.ce, result.aux, result.mtp, **run.loss_weights())
         failed = guard.check(step + 1, loss, result, data.sources)
         eval_every, held_out = training.eval_every, None
         if (
@@ -233,7 +240,7 @@ def _steps(
             and ((step + 1) % eval_every == 0 or step + 1 == training.steps)
         ):
             held_out = evaluate(
-                recipe, objective, layout, feed.eval_batches(), aux_coef=coef, device=device
+                recipe, objective, layout, feed.eval_batches(), device=device, **run.loss_weights()
             )
         log = StepLog(
             step + 1,
@@ -246,6 +253,8 @@ def _steps(
             lr=lr,
             eval_loss=held_out.loss if held_out else None,
             eval_accuracy=held_out.accuracy if held_out else None,
+            mtp_loss=result.mtp or None,
+            eval_mtp_accuracy=held_out.mtp_accuracy if held_out else None,
             data_seconds=data.seconds,
             fill=data.fill,
             over_capacity=data.over_capacity,

@@ -27,7 +27,10 @@ class StepLog:
     document tokens, ``over_capacity`` the documents longer than ``data.pack_length``
     (truncated or dropped) and ``bad_rows`` the rows skipped under ``data.on_bad_row: skip``,
     both in this step; ``skipped_steps``: the steps of this run not applied so far
-    (non-finite, ``train.on_nonfinite: skip``; :mod:`qwen35_trainer.train.nonfinite`)."""
+    (non-finite, ``train.on_nonfinite: skip``; :mod:`qwen35_trainer.train.nonfinite`);
+    with the multi-token-prediction head (:mod:`qwen35_trainer.model.mtp`): ``mtp_loss``, each
+    depth's cross-entropy (``loss`` includes ``train.mtp_loss_weight`` times their mean), and
+    ``eval_mtp_accuracy``, the held-out top-1 accuracy of depth 1 on token ``t + 2``."""
 
     step: int
     loss: float
@@ -49,6 +52,8 @@ class StepLog:
     over_capacity: int = 0
     bad_rows: int = 0
     skipped_steps: int = 0
+    mtp_loss: tuple[float, ...] | None = None
+    eval_mtp_accuracy: float | None = None
 
     def metrics(self) -> dict:
         """The ``metrics.jsonl`` record (:data:`METRIC_FIELDS`); a
@@ -56,9 +61,13 @@ class StepLog:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["step_seconds"] = out.pop("seconds")
         out["tokens_per_s"] = self.tokens / self.seconds if self.seconds > 0 else None
-        return {
-            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()
-        }
+        if self.mtp_loss is not None:
+            out["mtp_loss"] = [_finite(v) for v in self.mtp_loss]
+        return {k: _finite(v) for k, v in out.items()}
+
+
+def _finite(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 # Every metrics.jsonl record has exactly these keys: StepLog's fields (``seconds`` written as

@@ -33,7 +33,7 @@ from qwen35_trainer.train.determinism import deterministic_mode
 from qwen35_trainer.train.loop import setup, start_processes
 from qwen35_trainer.train.nonfinite import global_sources
 from qwen35_trainer.train.schedule import lr_at, set_lr
-from qwen35_trainer.train.step import train_step
+from qwen35_trainer.train.step import total_loss, train_step
 
 __all__ = ["Replay", "layer_grad_norms", "logged_record", "replay"]
 
@@ -134,7 +134,7 @@ def _replay(recipe: Recipe, path: Path, step: int) -> Replay:
         )
     feed = Feed(recipe, run.objective.model.config, run.layout, run.device)
     restore_data_state(feed, path)
-    kwargs = dict(aux_coef=run.aux_coef, grad_clip=recipe.train.grad_clip, device=run.device)
+    kwargs = dict(grad_clip=recipe.train.grad_clip, device=run.device, **run.loss_weights())
     norms: dict[str, float] = {}
 
     def measure() -> None:
@@ -155,7 +155,7 @@ def _replay(recipe: Recipe, path: Path, step: int) -> Replay:
     return Replay(
         step=step,
         checkpoint=path,
-        loss=result.ce + run.aux_coef * result.aux,
+        loss=total_loss(result.ce, result.aux, result.mtp, **run.loss_weights()),
         ce=result.ce,
         aux=result.aux,
         grad_norm=result.grad_norm,

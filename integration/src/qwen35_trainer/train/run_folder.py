@@ -67,12 +67,21 @@ class RunFolder:
         self.records.append(metrics)
         self.metrics.write(json.dumps(metrics) + "\n")
         self.metrics.flush()
+        evals = ("eval_loss", "eval_accuracy", "eval_mtp_accuracy")
         for key, value in metrics.items():
-            if key not in ("step", "eval_loss", "eval_accuracy") and value is not None:
+            if key == "mtp_loss" and value is not None:  # one curve per depth
+                for depth, v in enumerate(value, start=1):
+                    if v is not None:
+                        self.board.add_scalar(f"train/mtp_loss_{depth}", v, metrics["step"])
+            elif key not in ("step", "mtp_loss", *evals) and value is not None:
                 self.board.add_scalar(f"train/{key}", value, metrics["step"])
         if metrics["eval_loss"] is not None:
             self.board.add_scalar("eval/loss", metrics["eval_loss"], metrics["step"])
             self.board.add_scalar("eval/accuracy", metrics["eval_accuracy"], metrics["step"])
+            if metrics["eval_mtp_accuracy"] is not None:
+                self.board.add_scalar(
+                    "eval/mtp_accuracy", metrics["eval_mtp_accuracy"], metrics["step"]
+                )
             plot_loss(self.records, self.path / "loss.png")  # refreshed at every eval
 
     def close(self) -> None:
@@ -87,7 +96,8 @@ class RunFolder:
 
 
 def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
-    """The loss and cross-entropy per step, saved as a PNG (no display needed)."""
+    """The loss and cross-entropy per step (and each MTP depth's cross-entropy when the run
+    trains the MTP head), saved as a PNG (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,6 +107,10 @@ def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["loss"] for r in records], label="loss (train)")
     ax.plot(steps, [r["ce"] for r in records], label="cross-entropy (train)", alpha=0.7)
+    depths = len(records[-1].get("mtp_loss") or ())
+    for d in range(depths):
+        mtp = [(r["step"], r["mtp_loss"][d]) for r in records if r.get("mtp_loss")]
+        ax.plot(*zip(*mtp, strict=True), label=f"MTP depth {d + 1} (train)", alpha=0.7)
     evals = [(r["step"], r["eval_loss"]) for r in records if r["eval_loss"] is not None]
     if evals:
         ax.plot(*zip(*evals, strict=True), "o-", label="loss (held-out)")

@@ -6,7 +6,8 @@ Why the step is the one-process step on the global batch: see :mod:`qwen35_train
 (shares of one global loss, SUM reductions). The counts here are all global: the valid labels
 over every micro-batch and every rank holding different tokens (CP ranks share their rows, so
 each counts its whole rows and the sum is divided by ``cp``), the expert loads summed over the
-same ranks.
+same ranks. With the multi-token-prediction head each depth's valid targets are counted the same
+way (its own normaliser, :mod:`qwen35_trainer.model.mtp`), and the loss is :func:`total_loss`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,17 @@ import torch.distributed as dist
 from fsdp_compat import clip_grad_norm
 from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.model.flops import training_flops
+from qwen35_trainer.model.mtp import document_ids, mtp_targets
 from qwen35_trainer.parallel import Layout
 
-__all__ = ["StepResult", "all_reduce_loss_group", "count_valid", "micro_flops", "train_step"]
+__all__ = [
+    "StepResult",
+    "all_reduce_loss_group",
+    "count_targets",
+    "micro_flops",
+    "total_loss",
+    "train_step",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +49,17 @@ class StepResult:
     cp_imbalance: float
     flops: float = 0.0
     applied: bool = True  # False: a non-finite loss or gradient norm, the update not applied
+    mtp: tuple[float, ...] = ()  # each MTP depth's cross-entropy (none without the head)
+
+
+def total_loss(ce, aux, mtp, aux_coef: float, mtp_weight: float):
+    """The loss a step minimises: ``ce + aux_coef * aux`` plus ``mtp_weight`` times the mean of
+    the MTP depths' cross-entropies (Megatron's scaling; ``mtp`` empty or ``None``: no head).
+    Floats or tensors (a [D] tensor of MTP shares)."""
+    loss = ce + aux_coef * aux
+    if mtp is not None and len(mtp):
+        loss = loss + mtp_weight * (mtp.mean() if torch.is_tensor(mtp) else sum(mtp) / len(mtp))
+    return loss
 
 
 def all_reduce_loss_group(t: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -49,10 +69,21 @@ def all_reduce_loss_group(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     return t
 
 
-def count_valid(micro, layout: Layout, device: torch.device) -> int:
-    """The step's valid next-token labels over every micro-batch and every data group."""
-    local = sum(int((batch.labels[:, 1:] != IGNORE_INDEX).sum()) for batch, _ in micro)
-    return int(all_reduce_loss_group(torch.tensor([local], device=device), layout)) // layout.cp
+def count_targets(
+    micro, layout: Layout, device: torch.device, mtp_depth: int = 0
+) -> tuple[int, tuple[int, ...]]:
+    """The step's valid next-token labels and each MTP depth's valid targets
+    (:func:`qwen35_trainer.model.mtp.mtp_targets`, packed rows) over every micro-batch and
+    every data group: one all-reduce."""
+    local = [0] * (1 + mtp_depth)
+    for batch, packed in micro:
+        local[0] += int((batch.labels[:, 1:] != IGNORE_INDEX).sum())
+        if mtp_depth:
+            doc_S = document_ids(packed.layout.cu_seqlens, batch.labels.device)
+            for depth in range(1, mtp_depth + 1):
+                local[depth] += int((mtp_targets(batch.labels, doc_S, depth) != IGNORE_INDEX).sum())
+    total = all_reduce_loss_group(torch.tensor(local, device=device), layout) // layout.cp
+    return int(total[0]), tuple(int(n) for n in total[1:])
 
 
 def micro_flops(config, micro, layout: Layout) -> float:
@@ -79,20 +110,26 @@ def train_step(
     aux_coef: float,
     grad_clip: float | None,
     device: torch.device,
+    mtp_weight: float = 0.0,
     before_clip: Callable[[], None] | None = None,
 ) -> StepResult:
     """Forward and backward of every micro-batch, clip, optimizer step, zero the gradients.
     The step is not applied (``applied=False``; gradients dropped, optimizer state untouched)
     when the global loss or gradient norm is not finite. ``before_clip``: called (on every
     rank) once the step's gradients are complete, before they are clipped."""
-    num_valid = count_valid(micro, layout, device)
+    num_valid, num_mtp = count_targets(micro, layout, device, objective.mtp_depth)
     ce = aux = torch.zeros((), device=device)
+    mtp = torch.zeros(objective.mtp_depth, device=device)
     load = None
     for batch, packed in micro:
-        shares = objective(batch, layout.loss_group, packed, num_valid_tokens=num_valid)
+        shares = objective(
+            batch, layout.loss_group, packed, num_valid_tokens=num_valid, num_valid_mtp=num_mtp
+        )
         micro_aux = shares.aux / len(micro)
-        (shares.ce + aux_coef * micro_aux).backward()
+        total_loss(shares.ce, micro_aux, shares.mtp, aux_coef, mtp_weight).backward()
         ce, aux = ce + shares.ce.detach(), aux + micro_aux.detach()
+        if shares.mtp is not None:
+            mtp = mtp + shares.mtp.detach()
         counts = torch.stack([b.stats.tokens_per_expert for b in objective.router.blocks])
         load = counts if load is None else load + counts
     if before_clip is not None:
@@ -100,10 +137,12 @@ def train_step(
     grad_norm = clip_grad_norm(objective.parameters(), grad_clip)
     flops = micro_flops(objective.model.config, micro, layout)
     totals = all_reduce_loss_group(
-        torch.stack([ce, aux, torch.tensor(flops, device=device)]).double(), layout
+        torch.cat([torch.stack([ce, aux, torch.tensor(flops, device=device)]), mtp]).double(),
+        layout,
     )
     # the norm (over every mesh) and the loss totals are global: every rank decides alike
-    applied = math.isfinite(grad_norm) and bool(totals[:2].isfinite().all())
+    losses = torch.cat([totals[:2], totals[3:]])
+    applied = math.isfinite(grad_norm) and bool(losses.isfinite().all())
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -120,4 +159,5 @@ def train_step(
         cp_imbalance=float(cp_imbalance),
         flops=float(totals[2]),
         applied=applied,
+        mtp=tuple(float(x) for x in totals[3:]),
     )

@@ -53,6 +53,7 @@ __all__ = [
     "ATTENTION",
     "TESTED_TRANSFORMERS",
     "check_transformers",
+    "embed_packed_row",
     "enable_packing",
     "mrope_positions",
     "pack_for_model",
@@ -365,19 +366,20 @@ def pack_for_model(
     return row
 
 
-def packed_hidden_states(
+def embed_packed_row(
     model: nn.Module,
     row: dict[str, Any],
-    group: dist.ProcessGroup | None = None,
     *,
     vision: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This CP rank's final hidden states [1, T, H], next-token labels [1, T] (position ``s``
-    predicts token ``s + 1`` of the whole row, so a target is right whichever rank holds it)
-    and token mask [1, T], for a row of :func:`pack_for_model` (``cp_size`` = the group's size).
+) -> torch.Tensor:
+    """[1, S, H]: the input embeddings of a whole row of :func:`pack_for_model` — the token
+    embeddings with the image and video features scattered into their placeholders — as the
+    model's first layer reads them. :func:`packed_hidden_states` runs the text model on them;
+    a caller that needs them too (e.g. a multi-token-prediction head, which reads the embedding
+    of each position's NEXT token) computes them once here and passes them in.
 
-    The row is embedded whole on every rank; ``vision(pixel_values, grid_thw) -> features`` (e.g.
-    frames sharded over the CP ranks) replaces the model's own image / video encoder if given.
+    ``vision(pixel_values, grid_thw) -> features`` (e.g. frames sharded over the CP ranks)
+    replaces the model's own image / video encoder if given.
 
     Images and videos go through the vision tower in ONE call: the row's image pixels then its
     video pixels (concatenated along dim 0), with their grids concatenated likewise (the model's
@@ -392,6 +394,55 @@ def packed_hidden_states(
     with no images or videos runs no tower at all; under FSDP the caller keeps such a rank in step
     (qwen35-trainer runs the tower on a dummy frame there).
     """
+    base = _base(model)
+    text = getattr(base, "language_model", base)
+    input_ids = row["input_ids"]
+    embeds = text.get_input_embeddings()(input_ids)
+    media = [(kind, row[pixels], torch.as_tensor(row[grid]))
+             for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"),
+                                        ("video", "pixel_values_videos", "video_grid_thw"))
+             if row.get(pixels) is not None and row[pixels].numel()]  # fmt: skip
+    if not media:
+        return embeds
+    pixels = torch.cat([px for _, px, _ in media])
+    grid = torch.cat([g for _, _, g in media])
+    if vision is not None:
+        feats = vision(pixels, grid)
+    else:  # one tower call for both kinds (get_video_features is get_image_features)
+        feats = torch.cat(base.get_image_features(pixels, grid, return_dict=True).pooler_output)
+    feats = feats.to(embeds.dtype)
+    merge = spatial_merge_size(model.config)
+    sizes = [int((g.prod(-1) // merge**2).sum()) for _, _, g in media]
+    if feats.shape[0] != sum(sizes):
+        raise ValueError(
+            f"the vision tower gave {feats.shape[0]} features for grids of "
+            f"{' + '.join(map(str, sizes))} merged tokens ({', '.join(k for k, _, _ in media)})"
+        )
+    for (kind, _, _), part in zip(media, feats.split(sizes), strict=True):
+        key = "image_features" if kind == "image" else "video_features"
+        image_mask, video_mask = base.get_placeholder_mask(
+            input_ids, inputs_embeds=embeds, **{key: part}
+        )
+        embeds = embeds.masked_scatter(image_mask if kind == "image" else video_mask, part)
+    return embeds
+
+
+def packed_hidden_states(
+    model: nn.Module,
+    row: dict[str, Any],
+    group: dist.ProcessGroup | None = None,
+    *,
+    vision: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This CP rank's final hidden states [1, T, H], next-token labels [1, T] (position ``s``
+    predicts token ``s + 1`` of the whole row, so a target is right whichever rank holds it)
+    and token mask [1, T], for a row of :func:`pack_for_model` (``cp_size`` = the group's size).
+
+    The row is embedded whole on every rank (:func:`embed_packed_row`, with ``vision``), unless
+    the caller passes those embeddings as ``inputs_embeds`` [1, S, H]; this rank's tokens of
+    them, in layout order, go through the text model.
+    """
     layout = row["cp_layout"]
     validate_layout(layout, group)
     rank = dist.get_rank(group) if group is not None else 0
@@ -401,35 +452,15 @@ def packed_hidden_states(
     )
     base = _base(model)
     text = getattr(base, "language_model", base)
-    input_ids = row["input_ids"]
-    embeds = text.get_input_embeddings()(input_ids)
-    media = [(kind, row[pixels], torch.as_tensor(row[grid]))
-             for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"),
-                                        ("video", "pixel_values_videos", "video_grid_thw"))
-             if row.get(pixels) is not None and row[pixels].numel()]  # fmt: skip
-    if media:
-        pixels = torch.cat([px for _, px, _ in media])
-        grid = torch.cat([g for _, _, g in media])
-        if vision is not None:
-            feats = vision(pixels, grid)
-        else:  # one tower call for both kinds (get_video_features is get_image_features)
-            feats = torch.cat(base.get_image_features(pixels, grid, return_dict=True).pooler_output)
-        feats = feats.to(embeds.dtype)
-        merge = spatial_merge_size(model.config)
-        sizes = [int((g.prod(-1) // merge**2).sum()) for _, _, g in media]
-        if feats.shape[0] != sum(sizes):
-            raise ValueError(
-                f"the vision tower gave {feats.shape[0]} features for grids of "
-                f"{' + '.join(map(str, sizes))} merged tokens ({', '.join(k for k, _, _ in media)})"
-            )
-        for (kind, _, _), part in zip(media, feats.split(sizes), strict=True):
-            key = "image_features" if kind == "image" else "video_features"
-            image_mask, video_mask = base.get_placeholder_mask(
-                input_ids, inputs_embeds=embeds, **{key: part}
-            )
-            embeds = embeds.masked_scatter(image_mask if kind == "image" else video_mask, part)
+    if inputs_embeds is None:
+        inputs_embeds = embed_packed_row(model, row, vision=vision)
+    elif tuple(inputs_embeds.shape[:2]) != tuple(row["input_ids"].shape):
+        raise ValueError(
+            f"inputs_embeds has shape {tuple(inputs_embeds.shape)}; the row's input_ids "
+            f"{tuple(row['input_ids'].shape)} (the whole row's embeddings, embed_packed_row)"
+        )
     out = text(
-        inputs_embeds=shard_sequence(embeds, layout, rank, dim=1),
+        inputs_embeds=shard_sequence(inputs_embeds, layout, rank, dim=1),
         position_ids=shard_sequence(row["position_ids"], layout, rank, dim=2),
         # documents are kept apart by the layout, not by masks: no [S, S] mask is built
         attention_mask={"full_attention": None, "linear_attention": None},
