@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
@@ -115,7 +116,7 @@ def add_mtp(model: nn.Module) -> MultiTokenPredictor | None:
 
 def document_ids(cu_seqlens: list[int], device: torch.device | str) -> torch.Tensor:
     """[S]: each position's document index in a packed row (``cu_seqlens``: its boundaries)."""
-    lengths = torch.tensor([b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])], device=device)
+    lengths = torch.tensor([b - a for a, b in itertools.pairwise(cu_seqlens)], device=device)
     return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
 
 
