@@ -4,6 +4,7 @@ counted by explicit loops; and MFU only where a peak is known."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import tiny
 from torch import nn
@@ -19,7 +20,9 @@ GRIDS = [[1, 4, 4], [2, 4, 8]]
 def _walked_forward(model, docs, grids) -> int:
     """2 FLOPs per weight per token through each module (experts: top-k of E), biases and
     norms left out, by module path: text modules see every token, vision blocks and the patch
-    embedding every patch, the merger every merged token."""
+    embedding every patch, the merger every merged token; the MTP head (its modules walked with
+    the rest) runs the shared ``lm_head`` once more per depth and its shared ``fc`` once per
+    depth (walked once), and each of its attention layers adds its pairs."""
     text, vision = model.config.text_config, model.config.vision_config
     tokens = sum(docs)
     patches = sum(t * h * w for t, h, w in grids)
@@ -41,7 +44,11 @@ def _walked_forward(model, docs, grids) -> int:
         through = patches // merge if "merger" in path else patches if "visual" in path else tokens
         total += 2 * weights * through
     heads_dim = text.num_attention_heads * text.head_dim
-    for kind in text.layer_types:
+    depth = len(model.mtp.layers) if hasattr(model, "mtp") else 0
+    if depth:
+        shared = depth * model.lm_head.weight.numel() + (depth - 1) * model.mtp.fc.weight.numel()
+        total += 2 * shared * tokens
+    for kind in [*text.layer_types, *["full_attention"] * depth]:
         if kind == "full_attention":
             for n in docs:  # query i sees keys 0..i of its document
                 total += sum(4 * heads_dim * (i + 1) for i in range(n))
@@ -58,8 +65,10 @@ def _walked_forward(model, docs, grids) -> int:
     return total
 
 
-def test_training_flops_equal_three_forwards_of_an_independent_count():
-    model = build_model(tiny().model)
+@pytest.mark.parametrize("mtp_layers", [0, 2])
+def test_training_flops_equal_three_forwards_of_an_independent_count(mtp_layers):
+    model = build_model(tiny(f"model.mtp_layers={mtp_layers}").model)
+    assert hasattr(model, "mtp") == bool(mtp_layers)
     assert training_flops(model.config, DOCS, GRIDS) == 3 * _walked_forward(model, DOCS, GRIDS)
 
 

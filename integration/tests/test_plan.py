@@ -29,17 +29,18 @@ SMALL = {
 }
 
 
-# the built-in recipes of the public sizes: world, layout, total and active parameters (B)
+# the built-in recipes of the public sizes: world, layout, total and active parameters and
+# the multi-token-prediction head's (B; the totals include the head, one layer in each)
 LARGE = {
-    "qwen3_5_35b_a3b": (16, {"dp": 2, "cp": 8, "ep": 8}, 35.11, 3.90),
-    "qwen3_5_122b_a10b_128k": (128, {"dp": 4, "cp": 32, "ep": 8}, 122.56, 10.22),
-    "qwen3_5_397b_a17b": (256, {"dp": 8, "cp": 32, "ep": 32}, 396.80, 17.81),
+    "qwen3_5_35b_a3b": (16, {"dp": 2, "cp": 8, "ep": 8}, 35.95, 3.97, 0.84),
+    "qwen3_5_122b_a10b_128k": (128, {"dp": 4, "cp": 32, "ep": 8}, 125.09, 10.41, 2.53),
+    "qwen3_5_397b_a17b": (256, {"dp": 8, "cp": 32, "ep": 32}, 403.40, 18.08, 6.60),
 }
 
 
 @pytest.mark.parametrize("name", LARGE)
 def test_each_public_size_fits_gpus_of_80_gib_with_the_headroom(name, tmp_path, capsys):
-    world, layout, total, active = LARGE[name]
+    world, layout, total, active, mtp = LARGE[name]
     out = tmp_path / "plan.json"
     assert main(["plan", name, "--json", str(out)]) == 0
     table = capsys.readouterr().out
@@ -56,6 +57,8 @@ def test_each_public_size_fits_gpus_of_80_gib_with_the_headroom(name, tmp_path, 
     assert result["layout"] == {"dp_replicate": 1, "tp": 1, **layout}
     assert abs(result["total_parameters"] / 1e9 - total) < 0.01
     assert abs(result["active_parameters"] / 1e9 - active) < 0.01
+    assert abs(result["mtp_parameters"] / 1e9 - mtp) < 0.01
+    assert "of which the MTP head" in table
     headroom = result["headroom_gib"]
     assert headroom["allocator reserve"] == pytest.approx(0.5 * result["counted_peak_gib"])
     peak = result["counted_peak_gib"] + sum(headroom.values())
@@ -149,7 +152,9 @@ def _saved(overrides):
 
 
 @pytest.mark.parametrize(
-    ("layout", "world"), [(ONE_PROCESS, 1), ((), 4)], ids=["one_process", "dp2_cp2_ep2"]
+    ("layout", "world"),
+    [(ONE_PROCESS, 1), ((*ONE_PROCESS, "model.mtp_layers=1"), 1), ((), 4)],
+    ids=["one_process", "one_process_mtp", "dp2_cp2_ep2"],
 )
 def test_predicted_saved_activations_are_within_20_percent(layout, world):
     """The forward's saved tensors (saved_tensors_hooks, storages once, parameters excluded)

@@ -12,6 +12,9 @@ the routed experts, which come in two layouts:
   ``cat(gate_e, up_e)`` along its rows (transformers' own conversion, checked by the tests
   against ``from_pretrained``).
 
+Both load. On export (:func:`on_disk`) the decoder's experts are written stacked, the MTP head's
+per expert: the public checkpoints' layout, which the servers' MTP loaders read.
+
 Multi-token-prediction tensors (``mtp.*``) load like the rest when the model has its MTP head
 (:mod:`qwen35_trainer.model.mtp`); a model without one (``model.mtp_layers: 0``) reports and
 skips them (``skipped``). :class:`CheckpointFiles` reads tensors through the safetensors library (no pickle),
@@ -28,11 +31,41 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointFiles", "StateDictAdapter"]
+__all__ = ["CheckpointFiles", "StateDictAdapter", "on_disk"]
 
 _STACKED = re.compile(r"^(?P<base>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 RowReader = Callable[[int, int], torch.Tensor]
+
+# The one runtime prefix whose experts are written per expert (the public MTP layout).
+_PER_EXPERT_ON_DISK = "mtp."
+
+
+def on_disk(name: str, shape: tuple[int, ...]):
+    """How runtime tensor ``name`` (full shape ``shape``) is written: ``[(disk name, disk
+    shape, take)]`` where ``take(full)`` cuts that tensor out of the full runtime tensor —
+    itself, or for the MTP head's stacked experts one tensor per expert and projection (expert
+    ``e``'s ``gate_proj`` / ``up_proj`` the first / second half of ``gate_up_proj[e]``'s rows)."""
+    stacked = _STACKED.match(name)
+    if stacked is None or not name.startswith(_PER_EXPERT_ON_DISK):
+        return [(name, tuple(shape), lambda full: full)]
+    experts, rows, cols = shape
+    base = stacked["base"]
+    if stacked["proj"] == "down_proj":
+        return [
+            (f"{base}.{e}.down_proj.weight", (rows, cols), lambda full, e=e: full[e])
+            for e in range(experts)
+        ]
+    half = rows // 2
+    return [
+        (
+            f"{base}.{e}.{part}.weight",
+            (half, cols),
+            lambda full, e=e, k=k: full[e, k * half : (k + 1) * half],
+        )
+        for e in range(experts)
+        for k, part in enumerate(("gate_proj", "up_proj"))
+    ]
 
 
 # Bytes read through one open file before it is closed and reopened: safetensors maps the file

@@ -8,7 +8,11 @@ order on every rank, a sharded parameter is reassembled (``full_tensor``: one te
 time, so memory is bounded by one tensor plus the file being filled) and kept only by its
 owner, which writes each of its files as soon as it is full. Rank 0 writes the index
 (``model.safetensors.index.json``) and ``config.json``. The tensors keep their runtime names
-and layouts (stacked experts), which transformers' ``from_pretrained`` loads as they are.
+and layouts (stacked experts), which transformers' ``from_pretrained`` loads as they are —
+except the multi-token-prediction head's experts, written per expert as the public checkpoints
+hold them (:func:`qwen35_trainer.model.adapter.on_disk`; transformers ignores ``mtp.*``, the
+inference servers' MTP loaders read it), and ``config.json`` states the head's depth
+(``mtp_num_hidden_layers``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from qwen35_trainer.model.adapter import on_disk
 from qwen35_trainer.model.params import named_parameters
 
 __all__ = ["export_hf", "export_plan"]
@@ -63,30 +68,40 @@ def export_hf(model: nn.Module, path: str | Path, *, max_file_bytes: int = MAX_F
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     params = [(name, param) for name, _, _, param in named_parameters(model)]
-    entries = [(name, math.prod(p.shape) * p.dtype.itemsize) for name, p in params]
+    written = [on_disk(name, tuple(p.shape)) for name, p in params]
+    entries = [
+        (disk, math.prod(shape) * p.dtype.itemsize)
+        for (_, p), tensors in zip(params, written, strict=True)
+        for disk, shape, _ in tensors
+    ]
     plan = export_plan(entries, world, max_file_bytes)
     total = max((number for _, number in plan), default=0)
+    places = iter(plan)
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
     pending: dict[str, torch.Tensor] = {}
     current = None
-    for (name, param), (owner, number) in zip(params, plan, strict=True):
+    for (_, param), tensors in zip(params, written, strict=True):
         full = param.full_tensor() if isinstance(param, DTensor) else param
-        if owner != rank:
-            continue
-        if current is not None and number != current:
-            save_file(pending, str(path / _file_name(current, total)), metadata={"format": "pt"})
-            pending = {}
-        current = number
-        pending[name] = full.detach().to("cpu", copy=True).contiguous()
+        for disk, _, take in tensors:
+            owner, number = next(places)
+            if owner != rank:
+                continue
+            if current is not None and number != current:
+                save_file(
+                    pending, str(path / _file_name(current, total)), metadata={"format": "pt"}
+                )
+                pending = {}
+            current = number
+            pending[disk] = take(full).detach().to("cpu", copy=True).contiguous()
     if pending:
         save_file(pending, str(path / _file_name(current, total)), metadata={"format": "pt"})
     if rank == 0:
         weight_map = {
-            name: _file_name(number, total)
-            for (name, _), (_, number) in zip(params, plan, strict=True)
+            disk: _file_name(number, total)
+            for (disk, _), (_, number) in zip(entries, plan, strict=True)
         }
         index = {
             "metadata": {"total_size": sum(size for _, size in entries)},

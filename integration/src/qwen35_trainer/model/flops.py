@@ -11,6 +11,9 @@ per weight it multiplies:
   (``2·2·heads·head_dim`` per (query, key) pair, ``n(n+1)/2`` pairs in a document of ``n``),
   and per Gated DeltaNet layer the recurrent state's update, delta and read-out
   (``3 · 2·v_heads·k_dim·v_dim`` per token);
+- the multi-token-prediction head, per depth and token: its ``fc`` (``2H·H``), one
+  full-attention layer (projections, MoE, and the attention pairs within each document) and the
+  ``lm_head`` again (:mod:`qwen35_trainer.model.mtp`);
 - vision, per patch: every block's projections and MLP and the patch embedding; the merger per
   merged token; attention over the patches of the same frame (``2·2·hidden`` per pair).
 
@@ -89,6 +92,11 @@ def training_flops(
     forward += full * 4 * text.num_attention_heads * text.head_dim * pairs
     state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
     forward += (len(text.layer_types) - full) * tokens * 3 * 2 * state
+    mtp_layer = 2 * text.hidden_size**2 + weights["full_attention"] + weights["head"]
+    attention_pairs = 4 * text.num_attention_heads * text.head_dim * pairs
+    forward += getattr(text, "mtp_num_hidden_layers", 0) * (
+        2 * tokens * mtp_layer + attention_pairs
+    )
     vh, merge = vision.hidden_size, vision.spatial_merge_size**2
     pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     block = 4 * vh * vh + 2 * vh * vision.intermediate_size

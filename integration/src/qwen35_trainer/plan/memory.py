@@ -27,7 +27,13 @@ with a real run's saved tensors):
   unsharded for the whole step with its fp32 gradients;
 - ``cp_buffers``: full attention's K/V of the whole row gathered over CP (``L_full · T ·
   2·kv·hd · b`` for one layer at a time) and the Gated DeltaNet's passed state (fp32);
-- ``vision``: the merged image features of the whole row gathered over CP (``T_img · H · b``).
+- ``vision``: the merged image features of the whole row gathered over CP (``T_img · H · b``);
+- the multi-token-prediction head (``D`` depths, :mod:`qwen35_trainer.model.mtp`): its
+  parameters, gradients and optimizer state are counted with the rest (exact); per depth its
+  layer is one more full-attention block (its input ``S·H·b`` saved under checkpointing, its
+  working set without), and outside it the concatenated ``fc`` input ``2·S·H·b`` and the three
+  RMSNorms' fp32 inputs and outputs (``6·S·H·4``) are saved (:func:`_mtp_saved`); its own
+  chunked loss keeps another ``S·H·4 + V·H·4`` of fp32 gradients (``loss``).
 """
 
 from __future__ import annotations
@@ -126,6 +132,14 @@ def _saved_with_checkpointing(text, vision, shape: Shape) -> int:
     return decoder + router + tower
 
 
+def _mtp_saved(text, shape: Shape, *, checkpointing: bool) -> int:
+    """Bytes the MTP head's forward saves for the backward (module docstring), all depths."""
+    depth = getattr(text, "mtp_num_hidden_layers", 0)
+    b, s, h = shape.compute_bytes, shape.tokens, text.hidden_size
+    layer = s * h * b if checkpointing else _block_working_set(text, s, 1.0, b, True)
+    return depth * (layer + 2 * s * h * b + 6 * s * h * 4)
+
+
 def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) -> Memory:
     """This rank's :class:`Memory` (module docstring); ``units``: the FSDP unit modules."""
     text, vision = model.config.text_config, model.config.vision_config
@@ -142,8 +156,10 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
             _block_working_set(text, s, 1.0, b, t == "full_attention") for t in text.layer_types
         )
         saved += vision.depth * shape.patches * (6 * vh + 2 * vision.intermediate_size) * b
+    saved += _mtp_saved(text, shape, checkpointing=checkpointing)
     recompute = max(_block_working_set(text, s, ROUTING_SKEW, b, full) for full in (False, True))
-    loss = s * h * 4 + text.vocab_size * h * 4 + LOSS_CHUNK_BYTES
+    heads = 1 + getattr(text, "mtp_num_hidden_layers", 0)  # the main loss and each MTP depth's
+    loss = heads * (s * h * 4 + text.vocab_size * h * 4) + LOSS_CHUNK_BYTES
     unit = max((_unit_bytes(u, dims.ep, b) for u in units), default=0)
     covered = {id(p) for u in units for p in u.parameters()}
     root = sum(math.prod(p.shape) for p in model.parameters() if id(p) not in covered)

@@ -20,6 +20,8 @@ import torch
 from qwen35_trainer.data.synthetic import max_sample_tokens
 from qwen35_trainer.model import build_training_model
 from qwen35_trainer.model.config import build_config
+from qwen35_trainer.model.mtp import MTP_PREFIX
+from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.parallel import FSDP_UNITS, ParallelDims, validate_layout
 from qwen35_trainer.plan.headroom import Headroom, process_groups
 from qwen35_trainer.plan.memory import ROUTING_SKEW, Memory, Shape, memory
@@ -41,6 +43,7 @@ class Plan:
     communication: dict[str, int]
     gpu_memory_gib: float
     headroom: Headroom = dataclasses.field(default_factory=Headroom)
+    mtp_parameters: int = 0  # of total_parameters: the multi-token-prediction head's
 
     @property
     def counted_gib(self) -> float:
@@ -69,6 +72,7 @@ class Plan:
             "layout": self.layout,
             "total_parameters": self.total_parameters,
             "active_parameters": self.active_parameters,
+            "mtp_parameters": self.mtp_parameters,
             "ranks": {
                 str(r): {**dataclasses.asdict(m), "peak": m.peak} for r, m in self.ranks.items()
             },
@@ -128,7 +132,8 @@ def communication(model, dims, shape: Shape) -> dict[str, int]:
 
 
 def _rank_plan(recipe, dims: ParallelDims, rank: int):
-    """``(Memory, total, routed, communication)`` of ``rank``: the model built on meta and
+    """``(Memory, (total, routed, MTP) parameters, communication)`` of ``rank``: the model
+    built on meta and
     parallelised on a fake world by the trainer's own code (``dims``: the validated layout)."""
     world = dims.world
     with fake_world(world, rank):
@@ -143,9 +148,12 @@ def _rank_plan(recipe, dims: ParallelDims, rank: int):
         mem = memory(
             model, dims, shape, checkpointing=recipe.train.activation_checkpointing, units=units
         )
-        total = sum(p.numel() for p in model.parameters())
-        routed = sum(p.numel() for n, p in model.named_parameters() if "experts." in n)
-        return mem, total, routed, communication(model, dims, shape)
+        counts = [0, 0, 0]  # total, routed experts, MTP head
+        for name, _, _, param in named_parameters(model):
+            counts[0] += param.numel()
+            counts[1] += param.numel() if "experts." in name else 0
+            counts[2] += param.numel() if name.startswith(MTP_PREFIX) else 0
+        return mem, tuple(counts), communication(model, dims, shape)
 
 
 def plan(
@@ -172,10 +180,19 @@ def plan(
     with ProcessPoolExecutor(len(planned), mp_context=spawn, max_tasks_per_child=1) as pool:
         futures = {rank: pool.submit(_rank_plan, recipe, dims, rank) for rank in planned}
         for rank, future in futures.items():
-            ranks[rank], total, routed, traffic = future.result()
+            ranks[rank], (total, routed, mtp), traffic = future.result()
     text = build_config(recipe.model).text_config
     active = total - routed + routed * text.num_experts_per_tok // text.num_experts
     layout = {k: getattr(recipe.parallel, k) for k in ("dp_replicate", "dp", "cp", "tp", "ep")}
     return Plan(
-        name, world, layout, total, active, ranks, traffic, gpu_memory_gib, headroom or Headroom()
+        name,
+        world,
+        layout,
+        total,
+        active,
+        ranks,
+        traffic,
+        gpu_memory_gib,
+        headroom or Headroom(),
+        mtp_parameters=mtp,
     )

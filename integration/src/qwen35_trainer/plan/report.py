@@ -15,6 +15,11 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"plan: {p.recipe_name} on {p.world} ranks ({layout})",
         f"total parameters            {p.total_parameters / 1e9:10.2f} B",
+        *(
+            [f"  of which the MTP head    {p.mtp_parameters / 1e9:10.2f} B (model.mtp_layers)"]
+            if p.mtp_parameters
+            else []
+        ),
         f"active parameters per token {p.active_parameters / 1e9:10.2f} B",
         "",
         "GiB per GPU          " + "".join(f"{'rank ' + str(r):>12}" for r in p.ranks),
