@@ -8,7 +8,8 @@ over pairs of ranks, dense parameters over all, experts FSDP-sharded over the re
 with activation checkpointing of decoder and vision blocks and packed rows (the reference is
 right-padded); CP = world (one packed row split over every rank by its balanced document
 layout) with activation checkpointing; DP x CP 2 with the experts split over the CP ranks;
-DP x TP 2 (attention heads and shared expert split) on packed rows. Resume: a run stopped after one
+DP x TP 2 (attention heads and shared expert split) on packed rows; the multi-token-prediction
+head under CP, EP, TP, their mixes and activation checkpointing. Resume: a run stopped after one
 step (DCP checkpoint, written synchronously or in the background) and started again continues
 exactly, under the same layout and in one process; with the newest checkpoint damaged in one
 rank's file, every rank falls back to the one before it.
@@ -22,6 +23,7 @@ import pytest
 import torch
 import transformers
 from dist_checks import (
+    FIELDS,
     STEPS,
     assert_same_run,
     check_resume_equals_uninterrupted,
@@ -33,6 +35,8 @@ from dist_checks import (
 
 from dist_testkit import named_check, run_checks
 from qwen35_trainer import train
+
+MTP_ON = ("data.packing=true", "model.mtp_layers=1")
 
 # name -> (overrides, reference variant, world sizes). {world}, {half}, {rows}, {export} are
 # filled per launch; a reference variant is the one-process run with the same data and options.
@@ -192,6 +196,43 @@ LAYOUTS = {
         "bf16",
         (4,),
     ),
+    # the multi-token-prediction head (packed rows): CP 2 (the token after a rank's last
+    # position lives on the other rank), EP 2, DP 2 x CP 2 x EP 2 with activation
+    # checkpointing, TP 2 and TP 2 x CP 2, against one packed process with the head
+    "mtp_cp2": (
+        ("parallel.dp=1", "parallel.cp=2", "data.samples_per_rank=4", *MTP_ON),
+        "mtp",
+        (2,),
+    ),
+    "mtp_ep2": (("parallel.ep=2", *MTP_ON), "mtp", (2,)),
+    "mtp_dp2_cp2_ep2_ac": (
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank=2",
+            "train.activation_checkpointing=true",
+            *MTP_ON,
+        ),
+        "mtp",
+        (4,),
+    ),
+    "mtp_tp2": (
+        ("parallel.dp={half}", "parallel.tp=2", "data.samples_per_rank={rows}", *MTP_ON),
+        "mtp",
+        (2,),
+    ),
+    "mtp_tp2_cp2": (
+        (
+            "parallel.dp=1",
+            "parallel.tp=2",
+            "parallel.cp=2",
+            "data.samples_per_rank=4",
+            *MTP_ON,
+        ),
+        "mtp",
+        (4,),
+    ),
 }
 
 VARIANTS = {
@@ -199,6 +240,7 @@ VARIANTS = {
     "no_aux": ("train.router_aux_loss_coef=0",),
     "text_only": ("data.text_only=[4, 2]",),
     "bf16": ("train.dtype=bfloat16",),
+    "mtp": MTP_ON,
 }
 # bf16 rounds every matmul input to 8 mantissa bits and the ranks add partial results in another
 # order than one process, so the runs agree to bf16 resolution (2^-8 = 0.4 % per rounding), not
@@ -207,7 +249,11 @@ VARIANTS = {
 # turns the rounding noise of a near-zero gradient element into an update of up to lr per step,
 # in either direction.
 BF16_COMPARE = {"rel": 2e-2, "param_norm_rel": 2e-2}
-COMPARE = {"no_aux": {"fields": ("loss", "ce", "grad_norm")}, "bf16": BF16_COMPARE}
+COMPARE = {
+    "no_aux": {"fields": ("loss", "ce", "grad_norm")},
+    "bf16": BF16_COMPARE,
+    "mtp": {"fields": (*FIELDS, "mtp_loss")},
+}
 
 
 @pytest.fixture(scope="module")
