@@ -23,7 +23,8 @@ GPU_KERNEL_LIBRARIES = (
 
 
 def what_runs(recipe: Recipe, world: int, device: torch.device) -> list[str]:
-    """The run's first lines: its layout, precision, kernels, data and run folder."""
+    """The run's first lines: its layout, precision, kernels, the MTP head (when it has one),
+    data and run folder."""
     p, training, data = recipe.parallel, recipe.train, recipe.data
     backend = "nccl" if device.type == "cuda" else "gloo"
     lines = [
@@ -46,6 +47,11 @@ def what_runs(recipe: Recipe, world: int, device: torch.device) -> list[str]:
         )
     else:
         lines.append("kernels: the torch reference paths (CPU)")
+    if recipe.model.mtp_depth:
+        lines.append(
+            f"multi-token prediction: {recipe.model.mtp_depth} layer(s) (mtp.*), loss weight "
+            f"{training.mtp_loss_weight:g}, exported with the model"
+        )
     if data.dataset:
         source = data.path or data.source
         lines.append(f"data: {source} through {data.processor}, packed to {data.pack_length}")
