@@ -33,7 +33,7 @@ SMALL = {
 # the multi-token-prediction head's (B; the totals include the head, one layer in each)
 LARGE = {
     "qwen3_5_35b_a3b": (16, {"dp": 2, "cp": 8, "ep": 8}, 35.95, 3.97, 0.84),
-    "qwen3_5_122b_a10b_128k": (128, {"dp": 4, "cp": 32, "ep": 8}, 125.09, 10.41, 2.53),
+    "qwen3_5_122b_a10b_128k": (128, {"dp": 4, "cp": 32, "ep": 8}, 125.09, 10.41, 2.52),
     "qwen3_5_397b_a17b": (256, {"dp": 8, "cp": 32, "ep": 32}, 403.40, 18.08, 6.60),
 }
 
