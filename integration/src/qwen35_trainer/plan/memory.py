@@ -32,8 +32,9 @@ with a real run's saved tensors):
   parameters, gradients and optimizer state are counted with the rest (exact); per depth its
   layer is one more full-attention block (its input ``S·H·b`` saved under checkpointing, its
   working set without), and outside it the concatenated ``fc`` input ``2·S·H·b`` and the three
-  RMSNorms' fp32 inputs and outputs (``6·S·H·4``) are saved (:func:`_mtp_saved`); its own
-  chunked loss keeps another ``S·H·4 + V·H·4`` of fp32 gradients (``loss``).
+  RMSNorms' fp32 inputs and outputs (``6·S·H·4``) are saved (:func:`_mtp_saved`); its
+  chunked loss recomputes its logits in the backward, so it keeps no gradient from the forward
+  (its working chunk is the ``loss`` line's one chunk).
 """
 
 from __future__ import annotations
@@ -158,8 +159,7 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
         saved += vision.depth * shape.patches * (6 * vh + 2 * vision.intermediate_size) * b
     saved += _mtp_saved(text, shape, checkpointing=checkpointing)
     recompute = max(_block_working_set(text, s, ROUTING_SKEW, b, full) for full in (False, True))
-    heads = 1 + getattr(text, "mtp_num_hidden_layers", 0)  # the main loss and each MTP depth's
-    loss = heads * (s * h * 4 + text.vocab_size * h * 4) + LOSS_CHUNK_BYTES
+    loss = s * h * 4 + text.vocab_size * h * 4 + LOSS_CHUNK_BYTES
     unit = max((_unit_bytes(u, dims.ep, b) for u in units), default=0)
     covered = {id(p) for u in units for p in u.parameters()}
     root = sum(math.prod(p.shape) for p in model.parameters() if id(p) not in covered)
