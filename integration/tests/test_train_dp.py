@@ -198,7 +198,7 @@ LAYOUTS = {
     ),
     # the multi-token-prediction head (packed rows): CP 2 (the token after a rank's last
     # position lives on the other rank), EP 2, DP 2 x CP 2 x EP 2 with activation
-    # checkpointing, TP 2 and TP 2 x CP 2, against one packed process with the head
+    # checkpointing, TP 2 and TP 2 x CP 2, against one packed process with the head; and bf16
     "mtp_cp2": (
         ("parallel.dp=1", "parallel.cp=2", "data.samples_per_rank=4", *MTP_ON),
         "mtp",
@@ -233,6 +233,18 @@ LAYOUTS = {
         "mtp",
         (4,),
     ),
+    "mtp_bf16_dp2_cp2_ep2": (
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank=2",
+            "train.dtype=bfloat16",
+            *MTP_ON,
+        ),
+        "mtp_bf16",
+        (4,),
+    ),
 }
 
 VARIANTS = {
@@ -241,6 +253,7 @@ VARIANTS = {
     "text_only": ("data.text_only=[4, 2]",),
     "bf16": ("train.dtype=bfloat16",),
     "mtp": MTP_ON,
+    "mtp_bf16": (*MTP_ON, "train.dtype=bfloat16"),
 }
 # bf16 rounds every matmul input to 8 mantissa bits and the ranks add partial results in another
 # order than one process, so the runs agree to bf16 resolution (2^-8 = 0.4 % per rounding), not
@@ -253,6 +266,7 @@ COMPARE = {
     "no_aux": {"fields": ("loss", "ce", "grad_norm")},
     "bf16": BF16_COMPARE,
     "mtp": {"fields": (*FIELDS, "mtp_loss")},
+    "mtp_bf16": {**BF16_COMPARE, "fields": (*FIELDS, "mtp_loss")},
 }
 
 
