@@ -84,10 +84,12 @@ def test_documented_rows_encode(tmp_path):
     assert [len(s.video_grid_thw) for s in samples] == [0, 1, 0]
 
 
-def _answer_accuracy(objective, recipe, root) -> tuple[float, float]:
-    """Exact-match accuracy of the trained model's held-out answers (teacher-forced arg-max on
-    every token of the answer before its <|im_end|>), and the most frequent answer's share (what
-    a model that ignores the pictures, videos and questions could reach)."""
+def _answer_accuracy(objective, recipe, root) -> dict[str, float]:
+    """The trained model's held-out answers, teacher-forced arg-max on every token of each
+    answer before its <|im_end|>: the share of answer TOKENS predicted right, and of whole
+    answers; and what a model that ignores the pictures, videos and questions could reach —
+    for tokens, the most frequent token at each offset of the answers (the best fixed answer
+    template), for answers, the most frequent answer."""
     model = objective.model
     ids = TokenIds(
         recipe.model.image_token_id,
@@ -97,7 +99,7 @@ def _answer_accuracy(objective, recipe, root) -> tuple[float, float]:
     )
     encoder = ConversationEncoder(str(root / "processor"), ids, model.config)
     end = encoder.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    right, answers = 0, collections.Counter()
+    right, tokens_right, answers = 0, 0, collections.Counter()
     with torch.no_grad():
         for i, line in enumerate((root / "heldout.jsonl").read_text().splitlines()):
             sample = encoder(json.loads(line), f"heldout.jsonl:{i}", root)
@@ -111,11 +113,23 @@ def _answer_accuracy(objective, recipe, root) -> tuple[float, float]:
                     at += 1
                     continue
                 stop = at + int((labels[at:] == end).nonzero()[0])  # the answer: up to <|im_end|>
-                right += bool((guess[at:stop] == labels[at:stop]).all())
+                hits = guess[at:stop] == labels[at:stop]
+                right += bool(hits.all())
+                tokens_right += int(hits.sum())
                 answers[tuple(labels[at:stop].tolist())] += 1
                 at = stop
+    at_offset = collections.defaultdict(collections.Counter)
+    for answer, count in answers.items():
+        for k, token in enumerate(answer):
+            at_offset[k][token] += count
+    tokens = sum(len(a) * c for a, c in answers.items())
     total = sum(answers.values())
-    return right / total, max(answers.values()) / total
+    return {
+        "tokens": tokens_right / tokens,
+        "fixed_template": sum(max(c.values()) for c in at_offset.values()) / tokens,
+        "answers": right / total,
+        "majority": max(answers.values()) / total,
+    }
 
 
 def test_tiny_recipe_learns_the_demo_dataset(tmp_path, monkeypatch):
@@ -135,15 +149,17 @@ def test_tiny_recipe_learns_the_demo_dataset(tmp_path, monkeypatch):
     assert (tmp_path / "demo" / "demo.json").is_file()  # builtin:demo was written on first use
     first, last = logs[0], logs[-1]
     assert last.eval_loss < 0.5 * first.ce, (first.ce, last.eval_loss)
-    accuracy, majority = _answer_accuracy(result.objective, recipe, tmp_path / "demo")
+    acc = _answer_accuracy(result.objective, recipe, tmp_path / "demo")
     print(
         f"held-out loss {first.ce:.3f} -> {last.eval_loss:.3f}; label accuracy "
-        f"{last.eval_accuracy:.3f}; answer accuracy {accuracy:.3f} (majority {majority:.3f})"
+        f"{last.eval_accuracy:.3f}; answer tokens {acc['tokens']:.3f} (best fixed answer "
+        f"template {acc['fixed_template']:.3f}); whole answers {acc['answers']:.3f} (most "
+        f"frequent answer {acc['majority']:.3f})"
     )
-    # measured 0.307 with this test alone and 0.257 inside CI's whole run (same packages: the
-    # 40 steps at lr 0.01 amplify tiny numerical differences), against 0.129 for always giving
-    # the most frequent answer
-    assert accuracy > 1.5 * majority, (accuracy, majority)
+    # answer tokens: measured 0.704 against 0.351 for the best fixed template (2026-12-02). Whole
+    # answers are not asserted: 40 steps at lr 0.01 amplify tiny numerical differences between
+    # machines and runs into 0.17-0.31 exact answers (0.129 for the most frequent one)
+    assert acc["tokens"] > 1.5 * acc["fixed_template"], acc
     assert all(log.fill > 0.7 for log in logs)
 
 

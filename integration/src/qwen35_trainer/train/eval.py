@@ -62,10 +62,9 @@ def evaluate(
                 num_valid_mtp=num_mtp,
                 accuracy=True,
             )
-            zero = torch.zeros((), device=device)
-            head = [shares.ce, shares.aux / len(micro), shares.correct]
-            head.append(shares.mtp_correct if depth else zero)
-            sums += torch.cat([torch.stack(head), shares.mtp if depth else zero[:0]]).double()
+            mtp_correct = shares.mtp_correct if depth else torch.zeros((), device=device)
+            head = torch.stack([shares.ce, shares.aux / len(micro), shares.correct, mtp_correct])
+            sums += torch.cat([head, shares.mtp if depth else head[:0]]).double()
     sums = all_reduce_loss_group(sums, layout)  # each rank counted its own tokens: global
     means = sums / recipe.train.eval_steps
     return EvalResult(
