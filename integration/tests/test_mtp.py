@@ -57,7 +57,7 @@ def _rms(x, weight, eps):
 
 def _reference(model, layers, docs):
     """Each depth's MTP loss (sum over documents / its valid targets), by hand (module
-    docstring), and each depth's valid-target count."""
+    docstring), each depth's valid-target count, and depth 1's targets its arg-max gets right."""
     vlm, mtp, head = model.model, model.mtp, model.lm_head.weight
     text, eps = vlm.language_model, model.config.text_config.rms_norm_eps
     captured = {}
@@ -66,7 +66,7 @@ def _reference(model, layers, docs):
         captured.update(kwargs)
 
     hook = text.register_forward_pre_hook(capture, with_kwargs=True)
-    sums, counts = [0.0] * len(layers), [0] * len(layers)
+    sums, counts, correct = [0.0] * len(layers), [0] * len(layers), 0
     for doc in docs:
         n = len(doc)
         media = {}
@@ -97,12 +97,16 @@ def _reference(model, layers, docs):
             hidden = _rms(layer(x, position_embeddings=rope, attention_mask=causal)[0],
                           mtp.norm.weight, eps)  # fmt: skip
             targets = doc.labels[d + 1 :]  # position t predicts token t + 1 + d
+            logits = hidden[: m - 1] @ head.T
             sums[d - 1] = sums[d - 1] + F.cross_entropy(
-                hidden[: m - 1] @ head.T, targets, ignore_index=IGNORE_INDEX, reduction="sum"
+                logits, targets, ignore_index=IGNORE_INDEX, reduction="sum"
             )
-            counts[d - 1] += int((targets != IGNORE_INDEX).sum())
+            valid = targets != IGNORE_INDEX
+            counts[d - 1] += int(valid.sum())
+            if d == 1:
+                correct += int((logits.argmax(-1) == targets)[valid].sum())
     hook.remove()
-    return [s / c for s, c in zip(sums, counts, strict=True)], counts
+    return [s / c for s, c in zip(sums, counts, strict=True)], counts, correct
 
 
 def _transformers_layers(model):
@@ -128,7 +132,7 @@ def test_mtp_loss_and_gradients_equal_documents_run_alone(depth):
     docs = _documents(r)
     reference = copy.deepcopy(model)
     layers = _transformers_layers(reference)
-    want, want_counts = _reference(reference, layers, docs)
+    want, want_counts, _ = _reference(reference, layers, docs)
     assert want_counts[0] > 0 and (depth == 1 or want_counts[1] > 0)
 
     enable_packing(model)
@@ -161,16 +165,25 @@ def test_mtp_loss_and_gradients_equal_documents_run_alone(depth):
 
 def test_mtp_accuracy_counts_depth_one_targets():
     """``mtp_correct``: how many depth-1 targets (token t + 2) the head's arg-max gets right,
-    counted against the reference's logits."""
+    equal to the count from the reference's logits (after a few SGD steps on the MTP loss, so
+    that the head predicts some targets)."""
     r = tiny(*MTP, "model.mtp_layers=1")
     model = build_model(r.model)
     docs = _documents(r)
-    enable_packing(model)
-    objective = TrainingObjective(model)
-    batch, packed = pack(docs, model.config, pad_token_id=0)
+    packed_model = copy.deepcopy(model)
+    enable_packing(packed_model)
+    objective = TrainingObjective(packed_model)
+    batch, packed = pack(docs, packed_model.config, pad_token_id=0)
+    optimizer = torch.optim.SGD(objective.parameters(), lr=5.0)
+    for _ in range(5):
+        objective(batch, packed=packed).mtp.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
     with torch.no_grad():
         shares = objective(batch, packed=packed, accuracy=True)
-    assert shares.mtp_correct is not None and 0 <= int(shares.mtp_correct) <= shares.tokens
+        model.load_state_dict(packed_model.state_dict())
+        _, _, want = _reference(model, _transformers_layers(model), docs)
+    assert want > 0 and int(shares.mtp_correct) == want
 
 
 def test_the_head_needs_packed_rows():

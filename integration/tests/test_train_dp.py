@@ -8,8 +8,9 @@ over pairs of ranks, dense parameters over all, experts FSDP-sharded over the re
 with activation checkpointing of decoder and vision blocks and packed rows (the reference is
 right-padded); CP = world (one packed row split over every rank by its balanced document
 layout) with activation checkpointing; DP x CP 2 with the experts split over the CP ranks;
-DP x TP 2 (attention heads and shared expert split) on packed rows; the multi-token-prediction
-head under CP, EP, TP, their mixes and activation checkpointing. Resume: a run stopped after one
+DP x TP 2 (attention heads and shared expert split) on packed rows. The packed layouts with TP,
+EP = world, CP 2 x EP 2 and bf16 also train the multi-token-prediction head, against one packed
+process with it (the token after a CP rank's last position lives on the other rank). Resume: a run stopped after one
 step (DCP checkpoint, written synchronously or in the background) and started again continues
 exactly, under the same layout and in one process; with the newest checkpoint damaged in one
 rank's file, every rank falls back to the one before it.
@@ -43,9 +44,10 @@ MTP_ON = ("data.packing=true", "model.mtp_layers=1")
 LAYOUTS = {
     "fsdp": ((), "base", (2, 4)),
     "ep2": (("parallel.ep=2", "train.export_dir={export}"), "base", (2, 4)),
+    # with the multi-token-prediction head (MTP_ON, against one packed process with it): EP = world
     "ep_all_ac_packed": (
-        ("parallel.ep={world}", "train.activation_checkpointing=true", "data.packing=true"),
-        "base",
+        ("parallel.ep={world}", "train.activation_checkpointing=true", *MTP_ON),
+        "mtp",
         (2, 4),
     ),
     "cp_all_ac": (
@@ -59,25 +61,29 @@ LAYOUTS = {
         "base",
         (2, 4),
     ),
+    # with the MTP head: TP 2 at world 2, DP 2 x TP 2 at world 4
     "dp_x_tp2_packed": (
         (
             "parallel.dp={half}",
             "parallel.tp=2",
             "data.samples_per_rank={rows}",
-            "data.packing=true",
+            *MTP_ON,
         ),
-        "base",
+        "mtp",
         (2, 4),
     ),
+    # with the MTP head and checkpointing: CP 2 x EP 2 at world 2 (the token after a rank's last
+    # position lives on the other CP rank), DP 2 x CP 2 x EP 2 at world 4
     "dp_x_cp2_ep2": (
         (
             "parallel.dp={half}",
             "parallel.cp=2",
             "parallel.ep=2",
             "data.samples_per_rank={rows}",
-            "data.packing=true",
+            "train.activation_checkpointing=true",
+            *MTP_ON,
         ),
-        "base",
+        "mtp",
         (2, 4),
     ),
     # EP groups inside one CP group: the 122B shape (EP 8 inside CP 32) in miniature
@@ -117,15 +123,16 @@ LAYOUTS = {
         "base",
         (4,),
     ),
+    # with the MTP head
     "tp2_cp2": (
         (
             "parallel.dp=1",
             "parallel.tp=2",
             "parallel.cp=2",
             "data.samples_per_rank=4",
-            "data.packing=true",
+            *MTP_ON,
         ),
-        "base",
+        "mtp",
         (4,),
     ),
     # EP over DP with TP: the TP peers dispatch the same tokens in different EP groups
@@ -183,57 +190,9 @@ LAYOUTS = {
         "text_only",
         (4,),
     ),
-    # bf16 (fp32 master weights and reduction) against one-process bf16; see BF16_COMPARE
+    # bf16 (fp32 master weights and reduction) against one-process bf16, with the MTP head;
+    # see BF16_COMPARE
     "bf16_dp2_cp2_ep2": (
-        (
-            "parallel.dp=2",
-            "parallel.cp=2",
-            "parallel.ep=2",
-            "data.samples_per_rank=2",
-            "data.packing=true",
-            "train.dtype=bfloat16",
-        ),
-        "bf16",
-        (4,),
-    ),
-    # the multi-token-prediction head (packed rows): CP 2 (the token after a rank's last
-    # position lives on the other rank), EP 2, DP 2 x CP 2 x EP 2 with activation
-    # checkpointing, TP 2 and TP 2 x CP 2, against one packed process with the head; and bf16
-    "mtp_cp2": (
-        ("parallel.dp=1", "parallel.cp=2", "data.samples_per_rank=4", *MTP_ON),
-        "mtp",
-        (2,),
-    ),
-    "mtp_ep2": (("parallel.ep=2", *MTP_ON), "mtp", (2,)),
-    "mtp_dp2_cp2_ep2_ac": (
-        (
-            "parallel.dp=2",
-            "parallel.cp=2",
-            "parallel.ep=2",
-            "data.samples_per_rank=2",
-            "train.activation_checkpointing=true",
-            *MTP_ON,
-        ),
-        "mtp",
-        (4,),
-    ),
-    "mtp_tp2": (
-        ("parallel.dp={half}", "parallel.tp=2", "data.samples_per_rank={rows}", *MTP_ON),
-        "mtp",
-        (2,),
-    ),
-    "mtp_tp2_cp2": (
-        (
-            "parallel.dp=1",
-            "parallel.tp=2",
-            "parallel.cp=2",
-            "data.samples_per_rank=4",
-            *MTP_ON,
-        ),
-        "mtp",
-        (4,),
-    ),
-    "mtp_bf16_dp2_cp2_ep2": (
         (
             "parallel.dp=2",
             "parallel.cp=2",
@@ -251,7 +210,6 @@ VARIANTS = {
     "base": (),
     "no_aux": ("train.router_aux_loss_coef=0",),
     "text_only": ("data.text_only=[4, 2]",),
-    "bf16": ("train.dtype=bfloat16",),
     "mtp": MTP_ON,
     "mtp_bf16": (*MTP_ON, "train.dtype=bfloat16"),
 }
@@ -264,7 +222,6 @@ VARIANTS = {
 BF16_COMPARE = {"rel": 2e-2, "param_norm_rel": 2e-2}
 COMPARE = {
     "no_aux": {"fields": ("loss", "ce", "grad_norm")},
-    "bf16": BF16_COMPARE,
     "mtp": {"fields": (*FIELDS, "mtp_loss")},
     "mtp_bf16": {**BF16_COMPARE, "fields": (*FIELDS, "mtp_loss")},
 }
