@@ -190,36 +190,12 @@ def measured_state_bytes(overrides) -> dict[str, int]:
 
 
 def saved_activation_bytes(overrides) -> dict[str, int]:
-    """Bytes the training objective's forward saves for the backward on this rank (storages
-    counted once; parameters — sharded or FSDP-unsharded at that moment — left out), for the
-    tiny layout ``overrides`` on step 0's batch."""
-    import torch
+    """Bytes the training objective's forward saves for the backward on this rank, for the tiny
+    layout ``overrides`` on step 0's batch (:func:`qwen35_trainer.plan.measured.
+    saved_activation_bytes`)."""
+    from qwen35_trainer.plan.measured import saved_activation_bytes as measure
 
-    from qwen35_trainer import build_training_model
-    from qwen35_trainer.data.feed import micro_batches
-    from qwen35_trainer.train.step import count_targets
-
-    r = load_recipe(TINY, overrides)
-    device = torch.device("cpu")
-    objective, layout = build_training_model(r, device)
-    model = objective.model
-    micro, _ = micro_batches(r, model.config, layout, 0, device)
-    valid, _ = count_targets(micro, layout, device)
-    seen: dict[int, int] = {}
-
-    def storage(t):
-        return getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's local part
-
-    def pack(t):
-        params = {storage(p).data_ptr() for p in objective.parameters()}
-        if storage(t).data_ptr() not in params:
-            seen.setdefault(storage(t).data_ptr(), storage(t).nbytes())
-        return t
-
-    ((batch, packed),) = micro
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        objective(batch, layout.loss_group, packed, num_valid_tokens=valid)
-    return {"rank": dist.get_rank() if dist.is_initialized() else 0, "saved": sum(seen.values())}
+    return measure(load_recipe(TINY, overrides))
 
 
 def _status(field: str) -> int:

@@ -8,7 +8,10 @@ over pairs of ranks, dense parameters over all, experts FSDP-sharded over the re
 with activation checkpointing of decoder and vision blocks and packed rows (the reference is
 right-padded); CP = world (one packed row split over every rank by its balanced document
 layout) with activation checkpointing; DP x CP 2 with the experts split over the CP ranks;
-DP x TP 2 (attention heads and shared expert split) on packed rows. The packed layouts with TP,
+DP x TP 2 (attention heads and shared expert split) on packed rows. Every TP layout runs with
+sequence parallelism (the default with tp > 1: TP 2, DP 2 x TP 2 with checkpointing, TP 2 x CP 2,
+DP 2 x TP 2 x EP 2 with accumulation, bf16 TP 2) except TP 2 x EP 2, which keeps the replicated
+residual stream (``parallel.sequence_parallel=false``). The packed layouts with TP,
 EP = world, CP 2 x EP 2 and bf16 also train the multi-token-prediction head, against one packed
 process with it (the token after a CP rank's last position lives on the other rank). Resume: a run stopped after one
 step (DCP checkpoint, written synchronously or in the background) and started again continues
@@ -61,16 +64,30 @@ LAYOUTS = {
         "base",
         (2, 4),
     ),
-    # with the MTP head: TP 2 at world 2, DP 2 x TP 2 at world 4
+    # with the MTP head and sequence parallelism: TP 2 at world 2, DP 2 x TP 2 with
+    # checkpointing at world 4
     "dp_x_tp2_packed": (
         (
             "parallel.dp={half}",
             "parallel.tp=2",
             "data.samples_per_rank={rows}",
+            "train.activation_checkpointing={ac}",
             *MTP_ON,
         ),
         "mtp",
         (2, 4),
+    ),
+    # bf16 TP 2 + SP against one-process bf16 (BF16_COMPARE)
+    "bf16_tp2": (
+        (
+            "parallel.dp=1",
+            "parallel.tp=2",
+            "data.samples_per_rank=4",
+            "train.dtype=bfloat16",
+            *MTP_ON,
+        ),
+        "mtp_bf16",
+        (2,),
     ),
     # with the MTP head and checkpointing: CP 2 x EP 2 at world 2 (the token after a rank's last
     # position lives on the other CP rank), DP 2 x CP 2 x EP 2 at world 4
@@ -135,12 +152,14 @@ LAYOUTS = {
         "mtp",
         (4,),
     ),
-    # EP over DP with TP: the TP peers dispatch the same tokens in different EP groups
+    # EP over DP with TP, without sequence parallelism: the TP peers dispatch the same tokens
+    # in different EP groups
     "tp2_ep2": (
         (
             "parallel.dp=2",
             "parallel.tp=2",
             "parallel.ep=2",
+            "parallel.sequence_parallel=false",
             "data.samples_per_rank=2",
             "data.packing=true",
         ),
@@ -249,7 +268,13 @@ def reference(references):
 def launch(request, references, tmp_path_factory):
     world = request.param
     exported = tmp_path_factory.mktemp(f"export_world{world}")
-    fill = {"world": world, "half": world // 2, "rows": 8 // world, "export": exported}
+    fill = {
+        "world": world,
+        "half": world // 2,
+        "rows": 8 // world,
+        "export": exported,
+        "ac": str(world == 4).lower(),
+    }
     checks = {
         name: named_check(
             f"{name}@{world}",

@@ -147,7 +147,13 @@ def _micro(
     for docs in parts:
         if recipe.data.packing:
             batch, packed = pack(
-                docs, config, pad, cp=layout.cp, group=layout.cp_group, capacity=capacity
+                docs,
+                config,
+                pad,
+                cp=layout.cp,
+                group=layout.cp_group,
+                multiple=layout.row_multiple,
+                capacity=capacity,
             )
             out.append((batch.to(device), packed.to(device)))
         else:

@@ -41,6 +41,7 @@ from qwen35_trainer.model.accuracy import ACCURACY_CHUNK, count_correct
 from qwen35_trainer.model.build import moe_blocks
 from qwen35_trainer.model.mtp import mtp_shares
 from qwen35_trainer.model.packed import dummy_vision, packed_hidden_states
+from qwen35_trainer.parallel.sequence_parallel import SequenceParallelGrads
 
 __all__ = ["LossShares", "RouterLogits", "TrainingObjective", "shifted_labels"]
 
@@ -69,10 +70,41 @@ class RouterLogits:
             raise ValueError("TrainingObjective needs the MoE blocks swapped (swap_moe_blocks)")
         self.blocks = tuple(blocks)
         self.top_k = blocks[0].top_k
+        # under sequence parallelism (set by qwen35_trainer.parallel.apply_parallelism): the TP
+        # group over which each block routed 1/tp of the tokens, and the group of every rank
+        # routing different tokens (loss group x TP)
+        self.sequence_group: Any = None
+        self.aux_group: Any = None
 
     def of_tokens(self, tokens_N: torch.Tensor) -> torch.Tensor:
         """[layers * tokens, E]: every layer's logits of the tokens where ``tokens_N`` is set."""
         return torch.cat([block.stats.router_logits[tokens_N] for block in self.blocks])
+
+    def aux_share(self, tokens_N: torch.Tensor, group: Any) -> torch.Tensor:
+        """This rank's share of the load-balancing loss of the routed tokens where ``tokens_N``
+        (this rank's, [N]) is set; ``group``: the ranks holding other tokens.
+
+        Under SP each TP peer routed its slice of the ``N`` tokens: its share is computed on the
+        slice with the counts summed over every rank routing different tokens, so each peer's
+        gradient is its logits' part of the global loss's (the rule of
+        :func:`moe_parallel.load_balancing_loss`); its VALUE is the TP peers' shares summed
+        (the whole rows' share, as without SP), so the loss group's totals are unchanged."""
+        if self.sequence_group is None:
+            return load_balancing_loss(self.of_tokens(tokens_N), self.top_k, group=group)
+        tp = torch.distributed.get_world_size(self.sequence_group)
+        mine = tokens_N.chunk(tp)[torch.distributed.get_rank(self.sequence_group)]
+        local = load_balancing_loss(self.of_tokens(mine), self.top_k, group=self.aux_group)
+        whole = local.detach().clone()
+        torch.distributed.all_reduce(whole, group=self.sequence_group)
+        return local + (whole - local.detach())
+
+    def tokens_per_expert(self) -> torch.Tensor:
+        """[layers, E] the top-k assignments of this rank's tokens in the last forward (under
+        SP: summed over the TP peers, which routed different slices of them)."""
+        counts = torch.stack([block.stats.tokens_per_expert for block in self.blocks])
+        if self.sequence_group is not None:
+            torch.distributed.all_reduce(counts, group=self.sequence_group)
+        return counts
 
 
 class TrainingObjective(nn.Module):
@@ -87,6 +119,9 @@ class TrainingObjective(nn.Module):
         self.loss_chunk_size = loss_chunk_size
         self.router = RouterLogits(moe_blocks(model.model))
         self.mtp_depth = len(model.mtp.layers) if hasattr(model, "mtp") else 0
+        # under sequence parallelism: the gradients the step sums over TP (set by
+        # qwen35_trainer.parallel.apply_parallelism)
+        self.sequence_parallel: SequenceParallelGrads | None = None
 
     def forward(
         self,
@@ -146,8 +181,7 @@ class TrainingObjective(nn.Module):
         )
         if dummy is not None:
             ce = ce + 0.0 * dummy.sum().float()
-        logits = self.router.of_tokens(tokens_BS.reshape(-1).bool())
-        aux = load_balancing_loss(logits, self.router.top_k, group=group)
+        aux = self.router.aux_share(tokens_BS.reshape(-1).bool(), group)
         correct = None
         if accuracy:
             correct = count_correct(

@@ -1,4 +1,5 @@
-"""Apply a run's parallelism to the model, in the repository's fixed order: TP, EP, AC, FSDP.
+"""Apply a run's parallelism to the model, in the repository's fixed order: TP (with SP), EP,
+AC, FSDP.
 
 :func:`parallelize` is the one entry point: it validates the recipe's layout against the
 launch (:func:`validate_layout`, every reason in one message), builds the meshes
@@ -7,7 +8,11 @@ the same program as every layout) and applies, in place:
 
 - TP (``tp > 1``): :func:`~qwen35_trainer.parallel.tp_plan.tp_plan` on the dense mesh's "tp"
   dim — attention heads and the shared expert split, routed experts and routers never — and
-  every Gated DeltaNet layer split by heads (:mod:`qwen35_trainer.parallel.tp_gdn`);
+  every Gated DeltaNet layer split by heads (:mod:`qwen35_trainer.parallel.tp_gdn`); with
+  sequence parallelism (``parallel.sequence_parallel``, on whenever ``tp > 1``) in their SP
+  form, and the decoder stack and each MTP layer made SP regions whose residual stream holds
+  1/tp of the tokens (:mod:`qwen35_trainer.parallel.sequence_parallel`; the regions' entry and
+  exit hooks go on the layers after AC wraps them, so the exit's all-gather is not recomputed);
 - EP (``ep > 1``): every MoE's routed experts ``Shard(0)`` on the expert mesh's "ep" dim
   (:func:`moe_parallel.apply_expert_parallel`; tokens travel to their experts' ranks and back);
 - activation checkpointing of decoder and vision blocks;
@@ -28,6 +33,13 @@ one-process gradient. Why each reduction sums exactly the right contributions:
 - a routed expert's gradient on its owner already sums the contributions of the EP group's
   tokens (the dispatch's backward returns them), and FSDP sums over the expert replicas
   (``dp_replicate × efsdp``): together every ``batch`` rank's tokens, each once;
+- under sequence parallelism the TP peers hold different tokens inside the SP regions: a
+  parameter there that TP does not split (norms, routers, shared-expert gates, routed experts)
+  has a partial local gradient, and the rule is ONE all-reduce over "tp" of exactly those
+  gradients after the backward (:func:`~qwen35_trainer.parallel.sequence_parallel.
+  sum_sequence_parallel_grads`, called by the step before clipping; FSDP's shards of them are the
+  same on every TP peer); everything outside the regions (embedding, final norm, ``lm_head``,
+  vision tower, MTP ``fc`` and norms) again sees whole rows on every TP peer;
 - gradient accumulation adds micro-batches' shares of the SAME global loss, so it is exact.
 
 This rank's :class:`Layout` — which tokens it holds and which groups its collectives use — is
@@ -54,6 +66,12 @@ from moe_parallel import (
 )
 from qwen35_trainer.parallel.dims import MeshAxis, Meshes, ParallelDims
 from qwen35_trainer.parallel.dist import init_distributed, world
+from qwen35_trainer.parallel.sequence_parallel import (
+    SequenceParallelGrads,
+    apply_sequence_parallel,
+    region_parameters,
+    sequence_multiple,
+)
 from qwen35_trainer.parallel.tp_gdn import split_gated_deltanet
 from qwen35_trainer.parallel.tp_plan import tp_plan
 
@@ -81,6 +99,14 @@ class Layout:
     cp: int = 1
     cp_group: Any = None
     meshes: Meshes | None = None
+
+    @property
+    def row_multiple(self) -> int:
+        """What this run's packed rows are padded to a multiple of (:func:`sequence_multiple`)."""
+        if self.meshes is None:
+            return 8
+        dims = self.meshes.dims
+        return sequence_multiple(dims.cp, dims.tp, dims.sp)
 
     @classmethod
     def from_meshes(cls, meshes: Meshes) -> Layout:
@@ -121,6 +147,14 @@ def validate_layout(recipe: Any, world_size: int) -> ParallelDims:
             "parallel.tp > 1 needs data.packing: the TP-split Gated DeltaNet layers run "
             "cp-varlen-attn's packed forward on this rank's heads"
         )
+    multiple = sequence_multiple(parallel.cp, parallel.tp, parallel.sp)
+    length = recipe.data.pack_length
+    if packing and parallel.sp and length is not None and length % multiple:
+        reasons.append(
+            f"data.pack_length={length} must be a multiple of {multiple} under sequence "
+            f"parallelism (8 and cp x tp = {parallel.cp * parallel.tp}: every CP rank's tokens "
+            "split over the TP ranks in equal slices)"
+        )
     if reasons:
         raise ValueError("invalid parallel layout: " + "; ".join(reasons))
     return dims
@@ -146,6 +180,7 @@ def parallelize(
         meshes,
         activation_checkpointing=recipe.train.activation_checkpointing,
         param_dtype=torch.bfloat16 if bf16 else None,
+        sequence_parallel=dims.sp,
     )
     return Layout.from_meshes(meshes)
 
@@ -180,21 +215,29 @@ def apply_parallelism(
     *,
     activation_checkpointing: bool = False,
     param_dtype: torch.dtype | None = None,
+    sequence_parallel: bool = False,
 ) -> None:
-    """TP, EP, activation checkpointing, then FSDP2, in place, on ``meshes``.
+    """TP (``sequence_parallel``: with SP), EP, activation checkpointing, then FSDP2, in place,
+    on ``meshes``.
 
     ``param_dtype``: FSDP2's compute dtype (bf16), with fp32 sharded (master) parameters and
     fp32 gradient reduction; ``None`` computes in the parameters' dtype."""
     dims, model = meshes.dims, objective.model
+    sp = sequence_parallel and dims.tp > 1
     if dims.tp > 1:
         check_tp_heads(model.config.text_config, dims.tp)
-        apply_tensor_parallel(model, meshes.tp, tp_plan(model))
+        apply_tensor_parallel(model, meshes.tp, tp_plan(model, sequence_parallel=sp))
         for layer in gated_deltanet_layers(model):
-            split_gated_deltanet(layer, meshes.tp)
+            split_gated_deltanet(layer, meshes.tp, sequence_parallel=sp)
     if dims.ep > 1:
         apply_expert_parallel(model, meshes.ep)
+    summed = region_parameters(model) if sp else []
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if sp:
+        apply_sequence_parallel(model, meshes.tp.get_group())
+        objective.router.sequence_group = meshes.tp.get_group()
+        objective.router.aux_group = meshes.routing.get_group()
     mp = None
     if param_dtype is not None:
         mp = MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -208,3 +251,5 @@ def apply_parallelism(
         expert_mesh=meshes.expert_fsdp if dims.ep > 1 else None,
         grad_reduction="sum",
     )
+    if sp:
+        objective.sequence_parallel = SequenceParallelGrads(summed, meshes.tp.get_group())

@@ -42,9 +42,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_compat import flatten_mesh
 from qwen35_trainer.recipe import ParallelRecipe
 
-__all__ = ["EP_FIRST", "MeshAxis", "Meshes", "ParallelDims"]
+__all__ = ["EP_FIRST", "FSDP_BACKENDS", "MeshAxis", "Meshes", "ParallelDims"]
 
 EP_FIRST = ("cp", "dp")
+FSDP_BACKENDS = ("fsdp2", "megatron")
 
 
 class MeshAxis(enum.StrEnum):
@@ -77,6 +78,12 @@ class Meshes:
     @property
     def tp(self) -> DeviceMesh:
         return self.dense[MeshAxis.TP]
+
+    @property
+    def routing(self) -> DeviceMesh:
+        """Every rank as one dim: under sequence parallelism the ranks routing different tokens
+        (the loss group's ranks times their TP peers, each holding a slice)."""
+        return flatten_mesh(self.dense, tuple(MeshAxis)[:4], "routing")
 
     @property
     def ep(self) -> DeviceMesh:
@@ -140,6 +147,28 @@ class ParallelDims(ParallelRecipe):
             )
         if self.ep_first not in EP_FIRST:
             reasons.append(f"parallel.ep_first must be one of {EP_FIRST}, got {self.ep_first!r}")
+        if self.sequence_parallel not in (None, True, False):
+            reasons.append(
+                f"parallel.sequence_parallel must be true, false or null, got "
+                f"{self.sequence_parallel!r}"
+            )
+        elif self.sequence_parallel and self.tp == 1:
+            reasons.append(
+                "parallel.sequence_parallel=true needs parallel.tp > 1: it splits the tokens "
+                "over the tensor-parallel ranks (null turns it on whenever tp > 1)"
+            )
+        if self.async_tp not in (True, False):
+            reasons.append(f"parallel.async_tp must be true or false, got {self.async_tp!r}")
+        elif self.async_tp and not self.sp:
+            reasons.append(
+                "parallel.async_tp=true needs sequence parallelism (parallel.tp > 1 with "
+                "parallel.sequence_parallel on): the micro-pipeline TP pass fuses all-gather -> "
+                "matmul and matmul -> reduce-scatter, and without SP the TP linears all-reduce"
+            )
+        if self.fsdp_backend not in FSDP_BACKENDS:
+            reasons.append(
+                f"parallel.fsdp_backend must be one of {FSDP_BACKENDS}, got {self.fsdp_backend!r}"
+            )
         return reasons
 
     @property

@@ -22,7 +22,10 @@ and exports do not depend on ``tp``):
   rows (the norm: its heads' contribution) and are SUMMED over TP in the backward, which gives
   the full gradient on every TP rank;
 - the layer's input is replicated over TP; the gradient w.r.t. it is each rank's heads'
-  contribution, also summed over TP in the backward.
+  contribution, also summed over TP in the backward. Under sequence parallelism the input is
+  this rank's slice of the tokens: it is all-gathered (the backward reduce-scatters: the same
+  sum, each rank keeping its slice) and ``out_proj``'s partial outputs are reduce-scattered
+  instead of summed whole (:mod:`qwen35_trainer.parallel.sequence_parallel`).
 
 The layer then runs cp-varlen-attn's packed forward (duck-typed on the layer) on a view that
 holds this rank's local weights and head counts, so TP needs packed rows.
@@ -42,6 +45,10 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.func import functional_call
 
 from cp_varlen_attn.hf_gdn import packed_gated_deltanet_forward
+from qwen35_trainer.parallel.sequence_parallel import (
+    gather_from_sequence,
+    reduce_scatter_to_sequence,
+)
 from qwen35_trainer.parallel.tp_comm import sum_grad_over_tp, sum_over_tp
 
 __all__ = ["GDN_TP_PLACEMENTS", "qkv_rows", "split_gated_deltanet"]
@@ -96,9 +103,12 @@ def _check(layer: nn.Module, tp: int) -> None:
         )
 
 
-def split_gated_deltanet(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
+def split_gated_deltanet(
+    layer: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False
+) -> None:
     """Place ``layer``'s parameters on ``tp_mesh`` (:data:`GDN_TP_PLACEMENTS`) and make it
-    run its heads only; in place. The layer must already be adapted for packing."""
+    run its heads only; in place. The layer must already be adapted for packing.
+    ``sequence_parallel``: its input and output hold this rank's slice of the tokens."""
     tp = tp_mesh.size()
     _check(layer, tp)
     for path, placement in GDN_TP_PLACEMENTS.items():
@@ -111,10 +121,12 @@ def split_gated_deltanet(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
     rows = qkv_rows(
         layer.num_k_heads, layer.head_k_dim, layer.num_v_heads, layer.head_v_dim, rank, tp
     )
-    layer.forward = functools.partial(_tp_packed_forward, layer, tp_mesh.get_group(), rows, tp)
+    layer.forward = functools.partial(
+        _tp_packed_forward, layer, tp_mesh.get_group(), rows, tp, sequence_parallel
+    )
 
 
-def _local_view(layer: nn.Module, group: Any, rows: torch.Tensor, tp: int):
+def _local_view(layer: nn.Module, group: Any, rows: torch.Tensor, tp: int, sp: bool):
     """The attributes cp-varlen-attn's packed forward reads, for this rank's heads only."""
     rows = rows.to(layer.A_log.device)
     qkv_W = sum_grad_over_tp(layer.in_proj_qkv.weight.to_local(), group)[rows]
@@ -133,7 +145,9 @@ def _local_view(layer: nn.Module, group: Any, rows: torch.Tensor, tp: int):
         A_log=layer.A_log.to_local(),
         dt_bias=layer.dt_bias.to_local(),
         norm=lambda core, z: functional_call(layer.norm, {"weight": norm_W}, (core, z)),
-        out_proj=lambda x: sum_over_tp(F.linear(x, layer.out_proj.weight.to_local()), group),
+        out_proj=lambda x: (reduce_scatter_to_sequence if sp else sum_over_tp)(
+            F.linear(x, layer.out_proj.weight.to_local()), group
+        ),
         key_dim=layer.key_dim // tp,
         value_dim=layer.value_dim // tp,
         num_k_heads=layer.num_k_heads // tp,
@@ -149,6 +163,7 @@ def _tp_packed_forward(
     group,
     rows,
     tp,
+    sp,
     hidden_states,
     cache=None,
     attention_mask=None,
@@ -162,8 +177,11 @@ def _tp_packed_forward(
         raise ValueError("a TP-split Gated DeltaNet layer runs on packed rows: cp_layout= missing")
     if cache is not None:
         raise ValueError("packed documents run without a cache (use_cache=False)")
+    if sp:
+        hidden_states = gather_from_sequence(hidden_states, group)
+    else:
+        hidden_states = sum_grad_over_tp(hidden_states, group)
     if attention_mask is not None:  # whole padding documents only (checked by the text model hook)
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-    hidden_states = sum_grad_over_tp(hidden_states, group)
-    view = _local_view(layer, group, rows, tp)
+    view = _local_view(layer, group, rows, tp, sp)
     return packed_gated_deltanet_forward(view, hidden_states, layout=cp_layout, group=cp_group)

@@ -9,18 +9,31 @@ SwiGLU. Routed experts and routers are never TP-sharded (the plan is validated a
 module tree by :func:`moe_parallel.apply_tensor_parallel`, fail-closed). The
 multi-token-prediction head's layers (``mtp.layers.*``, full attention with the same MoE) get
 the same styles (:func:`tp_plan`); its ``fc`` and norms stay replicated.
+
+With sequence parallelism (``sequence_parallel=True``, :mod:`qwen35_trainer.parallel.
+sequence_parallel`) a layer's input holds this TP rank's slice of the tokens: the attention's
+input is all-gathered once (``PrepareModuleInput``: ``Shard(1)`` → ``Replicate``, kept a DTensor
+so q, k and v read the same gathered tensor and the backward reduce-scatters their summed
+gradient once) and ``o_proj`` reduce-scatters its partial sums (``Shard(1)``); the shared expert
+reads the MoE's flattened tokens [N, H] the same way on dim 0.
 """
 
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 __all__ = ["TP_PLAN", "tp_plan"]
 
 
-def _layer_plan(layers: str) -> dict:
-    return {
+def _layer_plan(layers: str, sequence_parallel: bool = False) -> dict:
+    plan = {
         f"{layers}.self_attn.q_proj": ColwiseParallel(),
         f"{layers}.self_attn.k_proj": ColwiseParallel(),
         f"{layers}.self_attn.v_proj": ColwiseParallel(),
@@ -31,11 +44,28 @@ def _layer_plan(layers: str) -> dict:
         f"{layers}.mlp.shared_expert.up_proj": ColwiseParallel(),
         f"{layers}.mlp.shared_expert.down_proj": RowwiseParallel(),
     }
+    if sequence_parallel:
+        plan |= {
+            f"{layers}.self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            ),
+            f"{layers}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            f"{layers}.mlp.shared_expert": PrepareModuleInput(
+                input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)
+            ),
+            f"{layers}.mlp.shared_expert.down_proj": RowwiseParallel(output_layouts=Shard(0)),
+        }
+    return plan
 
 
 TP_PLAN = _layer_plan("model.language_model.layers.*")
 
 
-def tp_plan(model: nn.Module) -> dict:
-    """:data:`TP_PLAN`, plus the same styles for the MTP head's layers when ``model`` has it."""
-    return {**TP_PLAN, **_layer_plan("mtp.layers.*")} if hasattr(model, "mtp") else TP_PLAN
+def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
+    """:data:`TP_PLAN` (with ``sequence_parallel``: its SP form), plus the same styles for the
+    MTP head's layers when ``model`` has it."""
+    plan = _layer_plan("model.language_model.layers.*", sequence_parallel)
+    if hasattr(model, "mtp"):
+        plan |= _layer_plan("mtp.layers.*", sequence_parallel)
+    return plan

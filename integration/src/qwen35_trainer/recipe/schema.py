@@ -350,7 +350,14 @@ class ParallelRecipe:
     ``dp_replicate * dp * cp * tp``. ``ep``: expert-parallel ranks, borrowed from the ``dp * cp``
     ranks (it must divide ``dp * cp`` and every MoE's expert count); ``ep_first``: which of
     ``cp`` / ``dp`` an EP group takes its ranks from first (``cp``: EP groups inside one CP
-    group while ``ep <= cp``). See :class:`qwen35_trainer.parallel.ParallelDims`."""
+    group while ``ep <= cp``). See :class:`qwen35_trainer.parallel.ParallelDims`.
+
+    ``sequence_parallel``: between the TP regions each TP rank holds 1/tp of the tokens
+    (:mod:`qwen35_trainer.parallel.sequence_parallel`); ``None`` turns it on whenever
+    ``tp > 1``. ``async_tp``: overlap the TP all-gathers / reduce-scatters with the projections'
+    matmuls (async-tp-linear and Inductor's micro-pipeline TP; needs SP, CUDA with NCCL, and
+    compiles the blocks). ``fsdp_backend``: ``fsdp2`` or ``megatron`` (megatron-fsdp through
+    :func:`fsdp_compat.shard_model`; CUDA only)."""
 
     dp: int = 1
     dp_replicate: int = 1
@@ -358,6 +365,16 @@ class ParallelRecipe:
     ep: int = 1
     tp: int = 1
     ep_first: str = "cp"
+    sequence_parallel: bool | None = None
+    async_tp: bool = False
+    fsdp_backend: str = "fsdp2"
+
+    @property
+    def sp(self) -> bool:
+        """Whether the run is sequence-parallel: ``sequence_parallel``, else ``tp > 1``."""
+        if self.sequence_parallel is None:
+            return self.tp > 1
+        return bool(self.sequence_parallel) and self.tp > 1
 
     @property
     def world(self) -> int:

@@ -25,6 +25,7 @@ from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.model.flops import training_flops
 from qwen35_trainer.model.mtp import document_ids, mtp_targets
 from qwen35_trainer.parallel import Layout
+from qwen35_trainer.parallel.sequence_parallel import sum_sequence_parallel_grads
 
 __all__ = [
     "StepResult",
@@ -130,8 +131,10 @@ def train_step(
         ce, aux = ce + shares.ce.detach(), aux + micro_aux.detach()
         if shares.mtp is not None:
             mtp = mtp + shares.mtp.detach()
-        counts = torch.stack([b.stats.tokens_per_expert for b in objective.router.blocks])
+        counts = objective.router.tokens_per_expert()
         load = counts if load is None else load + counts
+    # under SP the whole parameters of the SP regions saw 1/tp of the tokens: sum over TP
+    sum_sequence_parallel_grads(objective.sequence_parallel)
     if before_clip is not None:
         before_clip()
     grad_norm = clip_grad_norm(objective.parameters(), grad_clip)
