@@ -11,6 +11,7 @@ from helpers import TINY, demo_recipe, tiny
 
 from dist_testkit import assert_close, full
 from qwen35_trainer import load_recipe, train
+from qwen35_trainer.train.run_folder import step_records
 
 STEPS = 3
 GLOBAL_SAMPLES = 4
@@ -362,8 +363,8 @@ def check_runs_repeat(root, overrides) -> None:
             )
         )
         dist.barrier()  # rank 0 has closed the run folder
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-        metrics = [{k: json.loads(line)[k] for k in REPEATED} for line in lines]
+        records = step_records(out / "metrics.jsonl")
+        metrics = [{k: record[k] for k in REPEATED} for record in records]
         files = json.loads((out / "checkpoints" / "step_000002" / "manifest.json").read_text())
         shards = {n: r["checksum"] for n, r in files["files"].items() if n.endswith(".distcp")}
         runs.append((metrics, shards))

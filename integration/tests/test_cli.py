@@ -4,7 +4,6 @@ and its exit code; a real torchrun launch."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -18,6 +17,7 @@ from qwen35_trainer import load_recipe
 from qwen35_trainer.cli import main
 from qwen35_trainer.recipe import recipe_from_dict
 from qwen35_trainer.train.metrics import METRIC_FIELDS
+from qwen35_trainer.train.run_folder import step_records
 
 LINE = re.compile(r"^step +(\d+)/(\d+)  loss ([0-9.]+)  ce ([0-9.]+)  aux ([0-9.]+)  ")
 
@@ -47,7 +47,7 @@ def test_main_command_trains_on_4_workers_and_fills_the_run_folder(capfd, tmp_pa
     assert out.strip().splitlines()[-1].startswith("done: steps 1..30 of 30")
     resolved = recipe_from_dict(yaml.safe_load((out_dir / "recipe.yaml").read_text()))
     assert resolved == load_recipe("tiny", args)
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    records = step_records(out_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 31))
     assert all(set(r) == set(METRIC_FIELDS) for r in records)
     assert [round(r["loss"], 4) for r in records] == losses

@@ -5,13 +5,14 @@ the run ends with the uninterrupted run's losses."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from qwen35_trainer.train.run_folder import step_records
 
 BASE = [
     "tiny",
@@ -70,7 +71,7 @@ def _worker(launcher: int, rank: int) -> int:
 
 def _losses(out: Path) -> dict[int, float]:
     """The last record of every step (a restarted run repeats the steps after its checkpoint)."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = step_records(out / "metrics.jsonl")
     return {r["step"]: r["loss"] for r in records}
 
 

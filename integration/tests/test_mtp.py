@@ -29,6 +29,7 @@ from qwen35_trainer.data import IGNORE_INDEX, Sample, rank_samples
 from qwen35_trainer.data.packing import pack
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.parallel import Layout
+from qwen35_trainer.train.run_folder import step_records
 from qwen35_trainer.train.step import count_targets
 
 MTP = ("model.expert_backend=torch", "data.samples_per_rank=3")
@@ -210,7 +211,7 @@ def test_a_run_reports_the_mtp_loss_and_held_out_accuracy(tmp_path):
     coef = result.objective.model.config.text_config.router_aux_loss_coef
     assert last.loss == pytest.approx(last.ce + coef * last.aux + 0.3 * last.mtp_loss[0])
     assert last.eval_mtp_accuracy is not None and 0 <= last.eval_mtp_accuracy <= 1
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = step_records(out / "metrics.jsonl")
     assert len(records[-1]["mtp_loss"]) == 1 and records[-1]["eval_mtp_accuracy"] is not None
     assert (out / "loss.png").is_file()
     line = Console(2, 1, printing=False).line(last)

@@ -4,7 +4,6 @@ state stay those of the step before; ``stop`` ends the run naming the step and i
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -19,6 +18,7 @@ from qwen35_trainer.parallel import Layout
 from qwen35_trainer.train.checkpoint import checkpoints_in
 from qwen35_trainer.train.integrity import INTACT, verify
 from qwen35_trainer.train.nonfinite import NonFiniteStep
+from qwen35_trainer.train.run_folder import step_records
 from qwen35_trainer.train.step import train_step
 
 DATA = ("data.global_batch=2", "data.pack_length=128", "train.eval_every=0")
@@ -103,7 +103,7 @@ def test_stop_exits_1_and_the_newest_checkpoint_is_intact(demo, poisoned, tmp_pa
         assert main(["tiny", *(a for s in sets for a in ("--set", s))]) == 1
     err = capsys.readouterr().err
     assert err.count("qwen35-train: step 3: loss nan") == 1 and source in err, err
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = step_records(tmp_path / "metrics.jsonl")
     assert [(r["step"], r["loss"] is None) for r in records] == [(1, False), (2, False), (3, True)]
     newest = checkpoints_in(tmp_path / "checkpoints")[0]
     assert newest[0] == 2 and verify(newest[1]).state == INTACT

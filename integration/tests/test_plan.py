@@ -153,8 +153,13 @@ def _saved(overrides):
 
 @pytest.mark.parametrize(
     ("layout", "world"),
-    [(ONE_PROCESS, 1), ((*ONE_PROCESS, "model.mtp_layers=1"), 1), ((), 4)],
-    ids=["one_process", "one_process_mtp", "dp2_cp2_ep2"],
+    [
+        (ONE_PROCESS, 1),
+        ((*ONE_PROCESS, "model.mtp_layers=1"), 1),
+        ((), 4),
+        ((*ONE_PROCESS, "parallel.tp=2", "data.packing=true", "model.mtp_layers=1"), 2),
+    ],
+    ids=["one_process", "one_process_mtp", "dp2_cp2_ep2", "tp2_sp_mtp"],
 )
 def test_predicted_saved_activations_are_within_20_percent(layout, world):
     """The forward's saved tensors (saved_tensors_hooks, storages once, parameters excluded)

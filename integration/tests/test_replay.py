@@ -4,7 +4,6 @@ it names the documents the run read at that step."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -17,6 +16,7 @@ from qwen35_trainer.model import build_config
 from qwen35_trainer.parallel import Layout
 from qwen35_trainer.recipe import load_recipe
 from qwen35_trainer.train.replay import replay
+from qwen35_trainer.train.run_folder import step_records
 
 RUN = (
     *ONE_PROCESS,
@@ -38,7 +38,7 @@ def run(tmp_path_factory):
     held-out evaluation every 2 steps (it must not disturb the replay)."""
     out = tmp_path_factory.mktemp("run")
     assert main(["tiny", *_sets(*RUN, "train.checkpoint_every=2", f"train.output_dir={out}")]) == 0
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = step_records(out / "metrics.jsonl")
     return out, {r["step"]: r for r in records}
 
 

@@ -255,3 +255,11 @@ def report():
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
 def test_rank_check(report, check):
     report.assert_passed(check)
+
+
+def test_the_refusal_is_known_before_any_group_exists():
+    """A launcher asks before building meshes: the same reason ``enable_async_tp`` gives."""
+    from async_tp_linear import async_tp_refusal
+
+    assert "needs a CUDA (or XPU) mesh" in async_tp_refusal("cpu")
+    assert "on 'meta'" in async_tp_refusal("meta")

@@ -367,3 +367,33 @@ def cp_report():
 
 def test_cp2_equals_one_process(cp_report):
     cp_report.assert_passed(check_cp_equals_one_process)
+
+
+def test_the_backends_reach_every_adapted_layer_and_a_named_one_that_cannot_run_says_why():
+    """``enable_packing``'s kernels are the ones the layers call: a named backend that cannot
+    run (flash-attn / fla on CPU) raises its reason in the forward; ``torch`` runs. The resolvers
+    name what ``auto`` picks on a device type."""
+    from cp_varlen_attn import resolve_attention_backend, resolve_gdn_backend
+
+    assert resolve_attention_backend("auto", "cpu") == resolve_gdn_backend("auto", "cpu") == "torch"
+    with pytest.raises(ValueError, match="backend='fla' needs the flash-linear-attention"):
+        resolve_gdn_backend("fla", "cpu")
+    docs = documents()
+    for attention, gdn, error in (
+        ("flash", "torch", "backend='flash' needs the flash-attn package"),
+        ("torch", "fla", "backend='fla' needs the flash-linear-attention package"),
+    ):
+        model = tiny_vlm()
+        enable_packing(model, attention_backend=attention, gdn_backend=gdn)
+        backends = {
+            getattr(m, name)
+            for m in model.modules()
+            for name in ("attention_backend", "gdn_backend")
+            if hasattr(m, name)
+        }
+        assert backends == {attention, gdn}
+        with pytest.raises(ValueError, match=error):
+            model(**pack_for_model(model, docs))
+    model = tiny_vlm()
+    enable_packing(model, attention_backend="torch", gdn_backend="torch")
+    model(**pack_for_model(model, docs))

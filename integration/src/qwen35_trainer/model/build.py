@@ -57,7 +57,11 @@ def build_meta_model(model_recipe: ModelRecipe, *, packing: bool = False) -> nn.
         add_mtp(model)
         swap_moe_blocks(model, expert_backend=model_recipe.expert_backend)
     if packing:
-        enable_packing(model)
+        enable_packing(
+            model,
+            attention_backend=model_recipe.attention_backend,
+            gdn_backend=model_recipe.gdn_backend,
+        )
     return model
 
 

@@ -64,8 +64,10 @@ from moe_parallel import (
     apply_expert_parallel,
     apply_tensor_parallel,
 )
+from qwen35_trainer.parallel.compile import compile_blocks
 from qwen35_trainer.parallel.dims import MeshAxis, Meshes, ParallelDims
 from qwen35_trainer.parallel.dist import init_distributed, world
+from qwen35_trainer.parallel.requirements import machine_refusals
 from qwen35_trainer.parallel.sequence_parallel import (
     SequenceParallelGrads,
     apply_sequence_parallel,
@@ -121,9 +123,11 @@ class Layout:
         )
 
 
-def validate_layout(recipe: Any, world_size: int) -> ParallelDims:
+def validate_layout(recipe: Any, world_size: int, *, on_this_machine: bool = True) -> ParallelDims:
     """The run's :class:`ParallelDims` from the recipe's ``parallel`` section, or ``ValueError``
-    with every reason it cannot run in ``world_size`` ranks."""
+    with every reason it cannot run in ``world_size`` ranks (``on_this_machine``: and on this
+    machine, :func:`~qwen35_trainer.parallel.requirements.machine_refusals`; the planner plans
+    GPU runs anywhere)."""
     parallel, packing = recipe.parallel, recipe.data.packing
     reasons = []
     try:
@@ -155,6 +159,8 @@ def validate_layout(recipe: Any, world_size: int) -> ParallelDims:
             f"parallelism (8 and cp x tp = {parallel.cp * parallel.tp}: every CP rank's tokens "
             "split over the TP ranks in equal slices)"
         )
+    if on_this_machine:
+        reasons += machine_refusals(parallel)
     if reasons:
         raise ValueError("invalid parallel layout: " + "; ".join(reasons))
     return dims
@@ -181,6 +187,7 @@ def parallelize(
         activation_checkpointing=recipe.train.activation_checkpointing,
         param_dtype=torch.bfloat16 if bf16 else None,
         sequence_parallel=dims.sp,
+        compile_blocks_too=recipe.train.compile,
     )
     return Layout.from_meshes(meshes)
 
@@ -216,6 +223,7 @@ def apply_parallelism(
     activation_checkpointing: bool = False,
     param_dtype: torch.dtype | None = None,
     sequence_parallel: bool = False,
+    compile_blocks_too: bool = False,
 ) -> None:
     """TP (``sequence_parallel``: with SP), EP, activation checkpointing, then FSDP2, in place,
     on ``meshes``.
@@ -232,6 +240,8 @@ def apply_parallelism(
     if dims.ep > 1:
         apply_expert_parallel(model, meshes.ep)
     summed = region_parameters(model) if sp else []
+    if compile_blocks_too:
+        compile_blocks(model)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if sp:

@@ -184,4 +184,10 @@ def _tp_packed_forward(
     if attention_mask is not None:  # whole padding documents only (checked by the text model hook)
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     view = _local_view(layer, group, rows, tp, sp)
-    return packed_gated_deltanet_forward(view, hidden_states, layout=cp_layout, group=cp_group)
+    return packed_gated_deltanet_forward(
+        view,
+        hidden_states,
+        layout=cp_layout,
+        group=cp_group,
+        backend=getattr(layer, "gdn_backend", "auto"),
+    )

@@ -11,7 +11,10 @@ Modelled (the formulas are stated where they are computed; ``b`` = compute bytes
 ``S`` = tokens on this rank = ``pack_length / cp``; the tests compare the saved activations
 with a real run's saved tensors):
 
-- ``activations``: what the forward saves for the backward. With activation checkpointing
+- ``activations``: what the forward saves for the backward. Under sequence parallelism the
+  decoder stack and the MTP layers hold ``S / tp`` tokens (the ``sequence_split``): their
+  checkpointed inputs, the final norm's and the router logits shrink by ``tp``, and without
+  checkpointing the MoE's rows and the norms. With activation checkpointing
   (:func:`_saved_with_checkpointing`): each decoder block's input ``S·H·b``, each vision
   block's ``P·Hv·b`` (``P`` = this rank's patches under frame sharding), and the tensors
   outside the blocks; a test compares it with a real forward's saved tensors (one process and
@@ -64,6 +67,7 @@ class Shape:
     image_tokens: int  # merged vision tokens of the row
     patches: int  # P: vision patches on this rank
     compute_bytes: int  # b
+    sequence_split: int = 1  # tp under sequence parallelism: the SP regions hold S / tp tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +128,8 @@ def _saved_with_checkpointing(text, vision, shape: Shape) -> int:
     layer kept (fp32) for the aux loss; the vision patch embedding's input pixels and the
     bilinear position-table indices / weights (4 int64 per patch); the merger's LayerNorm input,
     fc1 input, activation input and fc2 input (each ``P·Hv`` elements)."""
-    b, s, p = shape.compute_bytes, shape.tokens, shape.patches
+    b, p = shape.compute_bytes, shape.patches
+    s = shape.tokens // shape.sequence_split  # the decoder stack's tokens on this rank
     h, vh = text.hidden_size, vision.hidden_size
     pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     decoder = text.num_hidden_layers * s * h * b + 2 * s * h * 4
@@ -137,7 +142,8 @@ def _mtp_saved(text, shape: Shape, *, checkpointing: bool) -> int:
     """Bytes the MTP head's forward saves for the backward (module docstring), all depths."""
     depth = getattr(text, "mtp_num_hidden_layers", 0)
     b, s, h = shape.compute_bytes, shape.tokens, text.hidden_size
-    layer = s * h * b if checkpointing else _block_working_set(text, s, 1.0, b, True)
+    s_layer = s // shape.sequence_split
+    layer = s_layer * h * b if checkpointing else _block_working_set(text, s_layer, 1.0, b, True)
     return depth * (layer + 2 * s * h * b + 6 * s * h * 4)
 
 
@@ -154,7 +160,8 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
         saved = _saved_with_checkpointing(text, vision, shape)
     else:
         saved = sum(
-            _block_working_set(text, s, 1.0, b, t == "full_attention") for t in text.layer_types
+            _block_working_set(text, s // shape.sequence_split, 1.0, b, t == "full_attention")
+            for t in text.layer_types
         )
         saved += vision.depth * shape.patches * (6 * vh + 2 * vision.intermediate_size) * b
     saved += _mtp_saved(text, shape, checkpointing=checkpointing)

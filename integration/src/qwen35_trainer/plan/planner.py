@@ -101,6 +101,7 @@ def row_shape(recipe, cp: int) -> Shape:
         image_tokens=n * patches // merge,
         patches=local_frames * patches // max(frames, 1),
         compute_bytes=2 if recipe.train.dtype == "bfloat16" else 4,
+        sequence_split=recipe.parallel.tp if recipe.parallel.sp else 1,
     )
 
 
@@ -172,7 +173,7 @@ def plan(
     world = world_size or p.world
     if world != p.world:
         recipe = dataclasses.replace(recipe, parallel=p.filling(world, "--world-size"))
-    dims = validate_layout(recipe, world)
+    dims = validate_layout(recipe, world, on_this_machine=False)
     ranks = {}
     planned = sorted({0, world - 1})
     # each rank in a fresh process of its own (max_tasks_per_child=1), the two side by side

@@ -27,7 +27,12 @@ class ModelRecipe:
     model.mtp`); ``None`` takes ``text.mtp_num_hidden_layers`` (1 in the public checkpoints, 0
     when absent), 0 turns it off (nothing trained, none exported). ``init_missing_mtp``: a
     starting checkpoint without ``mtp.*`` tensors is an error while the head is on, unless this
-    is true: then the head starts from the name-seeded initialisation (logged)."""
+    is true: then the head starts from the name-seeded initialisation (logged).
+
+    Kernels (:mod:`qwen35_trainer.model.kernels`): ``attention_backend`` (``auto``, ``torch``,
+    ``flash``), ``gdn_backend`` (``auto``, ``torch``, ``fla``), ``expert_backend`` (``auto``,
+    ``torch``, ``te``); ``auto`` takes the fast GPU kernel when it is installed and the run is on
+    CUDA, a named one that cannot run is an error."""
 
     text: dict[str, Any]
     vision: dict[str, Any]
@@ -36,6 +41,8 @@ class ModelRecipe:
     vision_start_token_id: int
     vision_end_token_id: int
     expert_backend: str = "auto"
+    attention_backend: str = "auto"
+    gdn_backend: str = "auto"
     weights: str | None = None
     path: str | None = None
     override: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -294,6 +301,7 @@ class TrainRecipe:
     max_skipped_steps: int = 5
     deterministic: bool = True
     mtp_loss_weight: float = 0.1
+    compile: bool = False
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas

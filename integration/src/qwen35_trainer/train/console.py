@@ -3,50 +3,40 @@ progress bar on a terminal) and the closing summary. The other ranks print nothi
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import sys
 import time
 
 import torch
 
+from qwen35_trainer.model.kernels import Kernels
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.train.metrics import StepLog
 
 __all__ = ["Console", "quiet_cpu_notices", "what_runs"]
 
-GPU_KERNEL_LIBRARIES = (
-    ("flash_attn", "flash-attn"),
-    ("fla", "fla (gated delta rule)"),
-    ("transformer_engine", "TransformerEngine"),
-)
 
-
-def what_runs(recipe: Recipe, world: int, device: torch.device) -> list[str]:
-    """The run's first lines: its layout, precision, kernels, the MTP head (when it has one),
-    data and run folder."""
+def what_runs(recipe: Recipe, world: int, device: torch.device, kernels: Kernels) -> list[str]:
+    """The run's first lines: its layout (with sequence parallelism, async TP and the FSDP
+    backend), precision and compilation, the kernel each layer kind runs (``kernels``), the MTP
+    head (when it has one), data and run folder."""
     p, training, data = recipe.parallel, recipe.train, recipe.data
     backend = "nccl" if device.type == "cuda" else "gloo"
+    sharding = "FSDP2" if p.fsdp_backend == "fsdp2" else "megatron-fsdp"
+    tp_extras = ""
+    if p.tp > 1:
+        tp_extras = f"; sequence parallel {'on' if p.sp else 'off'}"
+        tp_extras += f", async TP {'on' if p.async_tp else 'off'}"
     lines = [
         f"layout: dp_replicate {p.dp_replicate} x dp {p.dp} x cp {p.cp} x tp {p.tp}, ep {p.ep} "
-        f"(ep_first {p.ep_first}) on {world} rank(s), {backend} on {device.type}",
+        f"(ep_first {p.ep_first}) on {world} rank(s), {backend} on {device.type}; "
+        f"{sharding}{tp_extras}",
         f"precision: {training.dtype}; activation checkpointing "
         f"{'on' if training.activation_checkpointing else 'off'}; deterministic "
-        f"{'on' if training.deterministic else 'off'}",
+        f"{'on' if training.deterministic else 'off'}; compiled blocks "
+        f"{'on' if training.compile or p.async_tp else 'off'}",
+        kernels.line(),
     ]
-    if device.type == "cuda":
-        found = [name for module, name in GPU_KERNEL_LIBRARIES if importlib.util.find_spec(module)]
-        missing = [name for module, name in GPU_KERNEL_LIBRARIES if name not in found]
-        lines.append(
-            f"kernels: GPU libraries found: {', '.join(found) or 'none'}"
-            + (
-                f"; not installed (torch paths run instead): {', '.join(missing)}"
-                if missing
-                else ""
-            )
-        )
-    else:
-        lines.append("kernels: the torch reference paths (CPU)")
     if recipe.model.mtp_depth:
         lines.append(
             f"multi-token prediction: {recipe.model.mtp_depth} layer(s) (mtp.*), loss weight "

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.model import build_training_model, export_hf
 from qwen35_trainer.model.flops import peak_flops
+from qwen35_trainer.model.kernels import resolve_kernels
 from qwen35_trainer.model.objective import TrainingObjective
 from qwen35_trainer.parallel import Layout, ParallelDims, validate_layout
 from qwen35_trainer.parallel.dist import device as this_device
@@ -106,6 +107,7 @@ def start_processes(recipe: Recipe) -> ParallelDims:
     process."""
     launched = world() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     dims = validate_layout(recipe, launched)
+    resolve_kernels(recipe, "cuda" if torch.cuda.is_available() else "cpu")  # named ones can run
     prepare_cuda(recipe.train.deterministic)
     init_distributed()
     return dims
@@ -159,11 +161,18 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
 
         report = prewarm(objective, device=device)
         logger.info("prewarm:\n%s", report.table())
-    folder = RunFolder(training.output_dir, recipe, rank()) if training.output_dir else None
-    for line in what_runs(recipe, world(), device):
+    kernels = resolve_kernels(recipe, device.type)
+    folder = None
+    if training.output_dir:
+        folder = RunFolder(training.output_dir, recipe, rank(), kernels=kernels.record())
+    for line in what_runs(recipe, world(), device, kernels):
         logger.info(line)
         if folder is not None:
             folder.note(line)
+    for warning in kernels.fallbacks:
+        logger.warning(warning)
+        if folder is not None:
+            folder.note(warning)
     checkpoints = training.checkpoint_dir
     if checkpoints is None and training.output_dir and training.checkpoint_every:
         checkpoints = os.path.join(training.output_dir, "checkpoints")

@@ -1,7 +1,9 @@
 """The run folder: what a run leaves behind for people to watch and compare.
 
 ``train.output_dir`` holds ``recipe.yaml`` (the resolved recipe: every default filled in, so the
-run can be repeated from it alone), ``metrics.jsonl`` (one JSON object per optimizer step),
+run can be repeated from it alone; comments above it name the kernel each layer kind ran),
+``metrics.jsonl`` (a ``{"header": {"kernels": ...}}`` record each time a run starts, then one
+JSON object per optimizer step: :func:`step_records` reads them back),
 TensorBoard event files under ``tensorboard/`` (``torch.utils.tensorboard``), ``loss.png``
 (train and held-out loss curves, matplotlib; rewritten at every evaluation and at the end) and ``logs/rank<R>.log`` (every
 rank's step lines, so a failing rank's history is there). Rank 0 writes everything but its
@@ -20,7 +22,7 @@ import yaml
 
 from qwen35_trainer.train.metrics import StepLog
 
-__all__ = ["RunFolder", "resolved_recipe"]
+__all__ = ["RunFolder", "resolved_recipe", "step_records"]
 
 
 def _plain(value: Any) -> Any:
@@ -29,6 +31,12 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def step_records(path: str | Path) -> list[dict[str, Any]]:
+    """The step records of a ``metrics.jsonl`` (its header records left out)."""
+    lines = Path(path).read_text().splitlines()
+    return [r for r in map(json.loads, filter(str.strip, lines)) if "header" not in r]
 
 
 def resolved_recipe(recipe: Any) -> str:
@@ -40,15 +48,25 @@ class RunFolder:
     """Writes one run's folder; ``rank``: this process's global rank (0 writes the shared
     files)."""
 
-    def __init__(self, path: str | Path, recipe: Any, rank: int = 0) -> None:
+    def __init__(
+        self, path: str | Path, recipe: Any, rank: int = 0, *, kernels: dict | None = None
+    ) -> None:
         self.path, self.rank = Path(path), rank
         (self.path / "logs").mkdir(parents=True, exist_ok=True)
         self.log = open(self.path / "logs" / f"rank{rank}.log", "a")  # noqa: SIM115
         self.records: list[dict[str, Any]] = []
         self.metrics = self.board = None
         if rank == 0:
-            (self.path / "recipe.yaml").write_text(resolved_recipe(recipe))
+            said = "".join(f"#   {kind}: {name}\n" for kind, name in (kernels or {}).items())
+            if said:  # comments: the recipe loads back the same (``auto`` stays ``auto``)
+                said = (
+                    "# kernels this run ran (model.*_backend, train.optimizer resolved):\n" + said
+                )
+            (self.path / "recipe.yaml").write_text(said + resolved_recipe(recipe))
             self.metrics = open(self.path / "metrics.jsonl", "a")  # noqa: SIM115
+            # a header record each time a run starts (a resumed run appends its own)
+            self.metrics.write(json.dumps({"header": {"kernels": kernels or {}}}) + "\n")
+            self.metrics.flush()
             from torch.utils.tensorboard import SummaryWriter
 
             self.board = SummaryWriter(str(self.path / "tensorboard"))

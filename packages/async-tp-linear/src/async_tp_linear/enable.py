@@ -23,7 +23,23 @@ import warnings
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["enable_async_tp"]
+__all__ = ["async_tp_refusal", "enable_async_tp"]
+
+
+def async_tp_refusal(device_type: str) -> str | None:
+    """Why async TP cannot run on a ``device_type`` mesh with this torch build, or ``None``.
+
+    The checks a launcher can make before any process group exists (a trainer refusing a recipe
+    up front); :func:`enable_async_tp` makes them again, plus the group's backend and symmetric
+    memory."""
+    if device_type not in ("cuda", "xpu"):
+        return (
+            f"async TP needs a CUDA (or XPU) mesh with NCCL (XCCL); tp_mesh is on "
+            f"{device_type!r}. Inductor's pass skips every site without NCCL."
+        )
+    if not (dist.is_nccl_available() or dist.is_xccl_available()):
+        return "this torch build has neither NCCL nor XCCL; async TP needs one of them"
+    return None
 
 
 def _group_backend(group: dist.ProcessGroup) -> str:
@@ -65,15 +81,9 @@ def enable_async_tp(tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> str:
             "all-gather -> matmul and matmul -> reduce-scatter; without SP the TP linears use "
             "all-reduce, which it never fuses. Apply an SP plan and pass sequence_parallel=True."
         )
-    if tp_mesh.device_type not in ("cuda", "xpu"):
-        raise RuntimeError(
-            f"enable_async_tp: async TP needs a CUDA (or XPU) mesh with NCCL (XCCL); tp_mesh is on "
-            f"{tp_mesh.device_type!r}. Inductor's pass skips every site without NCCL."
-        )
-    if not (dist.is_nccl_available() or dist.is_xccl_available()):
-        raise RuntimeError(
-            "enable_async_tp: this torch build has neither NCCL nor XCCL; async TP needs one of them"
-        )
+    refusal = async_tp_refusal(tp_mesh.device_type)
+    if refusal is not None:
+        raise RuntimeError(f"enable_async_tp: {refusal}")
     group = tp_mesh.get_group()
     backend = _group_backend(group)
     if "nccl" not in backend and "xccl" not in backend:

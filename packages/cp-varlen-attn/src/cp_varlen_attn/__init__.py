@@ -1,9 +1,9 @@
 """Sequence packing, block-diagonal varlen attention and the gated delta rule under context parallelism."""
 
-from cp_varlen_attn.attention import BACKENDS, varlen_attention
+from cp_varlen_attn.attention import BACKENDS, resolve_attention_backend, varlen_attention
 from cp_varlen_attn.conv import causal_conv1d
 from cp_varlen_attn.exchange import ExchangePlan, exchange_rows, plan_exchange
-from cp_varlen_attn.gated_delta import GDN_BACKENDS, gated_delta_rule
+from cp_varlen_attn.gated_delta import GDN_BACKENDS, gated_delta_rule, resolve_gdn_backend
 from cp_varlen_attn.gdn_cp import SummaryPlan, plan_summaries
 from cp_varlen_attn.hf_flash_mask import (
     preserve_indexed_mask_for_flash_attention,
@@ -58,6 +58,8 @@ __all__ = [
     "plan_exchange",
     "plan_summaries",
     "preserve_indexed_mask_for_flash_attention",
+    "resolve_attention_backend",
+    "resolve_gdn_backend",
     "shard_sequence",
     "unpad_data_from_indexed_mask",
     "unshard_sequence",

@@ -40,6 +40,7 @@ BACKENDS = ("auto", "torch", "flash")
 QUERY_BLOCK = 1024
 
 
+@torch.compiler.disable  # layout-driven Python: compiled callers run it eagerly
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -148,6 +149,20 @@ def _flash_pieces(q_THD, k_RHD, v_RHD, pieces, scale, causal) -> torch.Tensor:
         softmax_scale=scale,
         causal=causal,
     )
+
+
+def resolve_attention_backend(backend: str, device_type: str) -> str:
+    """The kernel :func:`varlen_attention` runs for ``backend`` on ``device_type`` tensors:
+    ``flash`` (flash-attn installed, CUDA) or ``torch``; ``ValueError`` for a backend that
+    cannot run there (the reason :func:`varlen_attention` would give)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    flash = device_type == "cuda" and _flash_available()
+    if backend == "flash" and not flash:
+        raise ValueError(
+            "backend='flash' needs the flash-attn package and CUDA tensors (install cp-varlen-attn[gpu])"
+        )
+    return "flash" if backend == "flash" or (backend == "auto" and flash) else "torch"
 
 
 def _flash_available() -> bool:

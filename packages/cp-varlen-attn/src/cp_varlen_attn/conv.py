@@ -33,6 +33,7 @@ __all__ = ["causal_conv1d"]
 ACTIVATIONS = ("silu", None)
 
 
+@torch.compiler.disable  # layout-driven Python: compiled callers run it eagerly
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -33,6 +33,7 @@ GDN_BACKENDS = ("auto", "torch", "fla")
 L2NORM_EPS = 1e-6
 
 
+@torch.compiler.disable  # layout-driven Python: compiled callers run it eagerly
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -106,6 +107,21 @@ def _prepare_qk(q_THK, k_THK, heads_v, use_l2norm, scale, cdt):
     if groups > 1:
         q_THK, k_THK = q_THK.repeat_interleave(groups, 1), k_THK.repeat_interleave(groups, 1)
     return q_THK, k_THK
+
+
+def resolve_gdn_backend(backend: str, device_type: str) -> str:
+    """The kernel :func:`gated_delta_rule` runs for ``backend`` on ``device_type`` tensors:
+    ``fla`` (fla installed, CUDA) or ``torch`` (the exact chunked rule); ``ValueError`` for a
+    backend that cannot run there."""
+    if backend not in GDN_BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {GDN_BACKENDS}")
+    fla = device_type == "cuda" and _fla_available()
+    if backend == "fla" and not fla:
+        raise ValueError(
+            "backend='fla' needs the flash-linear-attention package and CUDA tensors "
+            "(install cp-varlen-attn[gpu])"
+        )
+    return "fla" if backend == "fla" or (backend == "auto" and fla) else "torch"
 
 
 def _fla_available() -> bool:

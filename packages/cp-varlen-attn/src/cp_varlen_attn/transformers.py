@@ -133,8 +133,16 @@ def _packed_attention(module, query, key, value, attention_mask, *, scaling=None
         )
     if dropout:
         raise ValueError("packed attention does not implement attention dropout")
-    out = varlen_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                           cp_layout, cp_group, causal=True, softmax_scale=scaling)  # fmt: skip
+    out = varlen_attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        cp_layout,
+        cp_group,
+        causal=True,
+        softmax_scale=scaling,
+        backend=getattr(module, "attention_backend", "auto"),
+    )
     return out, None
 
 
@@ -146,7 +154,13 @@ def _packed_gdn(layer, hidden_states, cache=None, attention_mask=None, *, cp_lay
         raise ValueError("packed documents run without a cache (use_cache=False)")
     if attention_mask is not None:  # whole padding documents only (checked by the text model hook)
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-    return packed_gated_deltanet_forward(layer, hidden_states, layout=cp_layout, group=cp_group)
+    return packed_gated_deltanet_forward(
+        layer,
+        hidden_states,
+        layout=cp_layout,
+        group=cp_group,
+        backend=getattr(layer, "gdn_backend", "auto"),
+    )
 
 
 def _check_text_call(module, args, kwargs):
@@ -190,9 +204,16 @@ def _check_mask(mask: Any, pieces: list) -> None:
             )
 
 
-def enable_packing(model: nn.Module) -> list[str]:
+def enable_packing(
+    model: nn.Module, *, attention_backend: str = "auto", gdn_backend: str = "auto"
+) -> list[str]:
     """Adapt a transformers Qwen3.5 / Qwen3.5-MoE model (text or VLM) in place for packed rows
-    (module docstring); idempotent. Returns the adapted Gated DeltaNet module paths."""
+    (module docstring); idempotent. Returns the adapted Gated DeltaNet module paths.
+
+    ``attention_backend`` (``auto`` / ``torch`` / ``flash``, :func:`varlen_attention`) and
+    ``gdn_backend`` (``auto`` / ``torch`` / ``fla``, :func:`gated_delta_rule`): the kernels the
+    adapted layers call, kept on each layer (``attention_backend`` / ``gdn_backend``
+    attributes); a named backend that cannot run raises when the layer runs."""
     from transformers import AttentionInterface
 
     gdn_classes, text_classes = check_transformers()
@@ -202,6 +223,9 @@ def enable_packing(model: nn.Module) -> list[str]:
     if not texts:
         raise ValueError(f"{type(model).__name__} has no Qwen3.5 text model to adapt")
     AttentionInterface.register(ATTENTION, _packed_attention)
+    for module in model.modules():  # the text model's attention layers and any beside it
+        if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+            module.attention_backend = attention_backend
     for text in texts:
         text.config._attn_implementation = ATTENTION
         text.register_forward_pre_hook(_check_text_call, with_kwargs=True)
@@ -218,6 +242,7 @@ def enable_packing(model: nn.Module) -> list[str]:
                     f"{type(module).__name__} at {path!r} lacks {absent}: transformers changed it"
                 )
             module.forward = functools.partial(_packed_gdn, module)
+            module.gdn_backend = gdn_backend
             patched.append(path)
     setattr(model, _MARK, patched)
     return patched

@@ -1,0 +1,104 @@
+"""Which kernel each layer kind runs, decided once per run and reported.
+
+``model.attention_backend`` (``auto`` / ``torch`` / ``flash``), ``model.gdn_backend`` (``auto`` /
+``torch`` / ``fla``), ``model.expert_backend`` (``auto`` / ``torch`` / ``te``) and
+``train.optimizer`` (``auto`` / ``adamw`` / ``adam`` / ``te_fused_adam``): ``auto`` takes the fast
+GPU kernel when its package imports and the run is on CUDA, else the torch path; a named backend
+that cannot run here is an error before anything is built (:func:`resolve_kernels`, called where
+the layout is validated). The packages decide the same way when the layers run
+(:func:`cp_varlen_attn.resolve_attention_backend` / :func:`cp_varlen_attn.resolve_gdn_backend` are
+the rules :func:`cp_varlen_attn.varlen_attention` / :func:`cp_varlen_attn.gated_delta_rule`
+apply, moe-parallel's ``te`` test is TransformerEngine importing on CUDA), so the report names what
+runs. On CUDA, ``auto`` falling back to a torch path is a WARNING naming the package to install
+(:attr:`Kernels.fallbacks`): Qwen3.5 trains 2-4x slower without the fast kernels, and nothing
+else would say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["Kernels", "resolve_kernels"]
+
+# per layer kind: (recipe key, {kernel: what the report calls it}, the fast kernel's package)
+_NAMES = {
+    "attention": ("model.attention_backend", {"flash": "flash-attn varlen", "torch": "torch SDPA per document piece"}, "flash-attn"),
+    "gated delta rule": ("model.gdn_backend", {"fla": "fla chunk_gated_delta_rule", "torch": "torch chunked rule"}, "flash-linear-attention"),
+    "experts": ("model.expert_backend", {"te": "TransformerEngine grouped GEMM", "torch": "torch grouped mm"}, "transformer-engine[pytorch]"),
+    "optimizer": ("train.optimizer", {"te_fused_adam": "TransformerEngine fused Adam", "adamw": "torch AdamW", "adam": "torch Adam"}, "transformer-engine[pytorch]"),
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The resolved kernel of each layer kind (``attention``, ``gated delta rule``, ``experts``:
+    backend names as the packages take them; ``optimizer``: a :func:`safe_optim.build_optimizer`
+    name) and the WARNINGs of ``auto`` falling back to a torch path on CUDA."""
+
+    chosen: dict[str, str]
+    fallbacks: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        """The report: ``kernels: attention torch SDPA per document piece (torch), ...``."""
+        parts = [f"{kind} {_NAMES[kind][1][k]} ({k})" for kind, k in self.chosen.items()]
+        return "kernels: " + ", ".join(parts)
+
+    def record(self) -> dict[str, str]:
+        """``{layer kind: kernel}`` for ``metrics.jsonl``'s header and the run folder."""
+        return dict(self.chosen)
+
+
+def _te_available() -> bool:
+    from moe_parallel.te_backend import te_available
+
+    return te_available()
+
+
+def resolve_kernels(recipe: Any, device_type: str) -> Kernels:
+    """The kernels ``recipe`` runs on ``device_type``; ``ValueError`` naming every named backend
+    that cannot run there."""
+    from cp_varlen_attn import resolve_attention_backend, resolve_gdn_backend
+
+    model, optimizer = recipe.model, recipe.train.optimizer
+    cuda = device_type == "cuda"
+    te = cuda and _te_available()
+    chosen, errors = {}, []
+    for kind, resolve, asked in (
+        ("attention", lambda b: resolve_attention_backend(b, device_type), model.attention_backend),
+        ("gated delta rule", lambda b: resolve_gdn_backend(b, device_type), model.gdn_backend),
+        ("experts", lambda b: _pick(b, ("auto", "torch", "te"), "te", te), model.expert_backend),
+        (
+            "optimizer",
+            lambda b: _pick(b, ("auto", "adamw", "adam", "te_fused_adam"), "te_fused_adam", te),
+            optimizer,
+        ),
+    ):
+        try:
+            chosen[kind] = resolve(asked)
+        except ValueError as err:
+            errors.append(f"{_NAMES[kind][0]}={asked}: {err}")
+    if errors:
+        raise ValueError("; ".join(errors))
+    fallbacks = tuple(
+        f"{_NAMES[kind][0]}=auto on CUDA runs the {_NAMES[kind][1][k]} (slow): install "
+        f"{_NAMES[kind][2]} (pip install 'qwen35-trainer[gpu]') for the fast kernel"
+        for kind, k in chosen.items()
+        if cuda and _asked(recipe, kind) == "auto" and k in ("torch", "adamw")
+    )
+    return Kernels(chosen, fallbacks)
+
+
+def _asked(recipe: Any, kind: str) -> str:
+    section, key = _NAMES[kind][0].split(".")
+    return getattr(getattr(recipe, section), key)
+
+
+def _pick(asked: str, names: tuple[str, ...], fast: str, available: bool) -> str:
+    if asked not in names:
+        raise ValueError(f"expected one of {names}")
+    if asked == fast and not available:
+        raise ValueError("needs TransformerEngine and a CUDA device")
+    if asked == "auto":
+        return fast if available else names[1]
+    return asked

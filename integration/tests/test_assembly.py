@@ -1,0 +1,137 @@
+"""Every package assembled: the kernel each layer kind runs (resolved, reported, refused when a
+named one cannot run), compiled blocks equal to eager, and the layouts a machine cannot run
+(async TP, megatron-fsdp off CUDA) refused up front with one message. The sequence-parallel
+layouts are in ``test_train_dp.py``; the GPU checks in ``test_gpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+from dist_checks import assert_same_run, layout_recipe
+from helpers import ONE_PROCESS, tiny
+
+import cp_varlen_attn.attention
+import cp_varlen_attn.gated_delta
+from qwen35_trainer import train
+from qwen35_trainer.cli import main
+from qwen35_trainer.model import kernels
+from qwen35_trainer.model.kernels import resolve_kernels
+
+
+def test_the_kernel_report_on_cpu_names_the_torch_paths():
+    chosen = resolve_kernels(tiny(), "cpu")
+    assert chosen.record() == {
+        "attention": "torch",
+        "gated delta rule": "torch",
+        "experts": "torch",
+        "optimizer": "adamw",
+    }
+    assert chosen.line() == (
+        "kernels: attention torch SDPA per document piece (torch), gated delta rule torch "
+        "chunked rule (torch), experts torch grouped mm (torch), optimizer torch AdamW (adamw)"
+    )
+    assert chosen.fallbacks == ()  # CPU: the torch paths are the only ones
+
+
+def test_with_the_gpu_packages_present_auto_picks_them_and_the_report_says_so(monkeypatch):
+    monkeypatch.setattr(cp_varlen_attn.attention, "_flash_available", lambda: True)
+    monkeypatch.setattr(cp_varlen_attn.gated_delta, "_fla_available", lambda: True)
+    monkeypatch.setattr(kernels, "_te_available", lambda: True)
+    chosen = resolve_kernels(tiny("train.optimizer=auto"), "cuda")
+    assert chosen.record() == {
+        "attention": "flash",
+        "gated delta rule": "fla",
+        "experts": "te",
+        "optimizer": "te_fused_adam",
+    }
+    assert "attention flash-attn varlen (flash)" in chosen.line() and chosen.fallbacks == ()
+    # a named torch path is what the user asked for: no warning
+    named = resolve_kernels(tiny("model.attention_backend=torch"), "cuda")
+    assert named.record()["attention"] == "torch" and named.fallbacks == ()
+
+
+def test_auto_falling_back_on_cuda_warns_naming_the_package(monkeypatch):
+    monkeypatch.setattr(cp_varlen_attn.attention, "_flash_available", lambda: False)
+    monkeypatch.setattr(cp_varlen_attn.gated_delta, "_fla_available", lambda: False)
+    monkeypatch.setattr(kernels, "_te_available", lambda: False)
+    chosen = resolve_kernels(tiny("train.optimizer=auto"), "cuda")
+    assert set(chosen.record().values()) == {"torch", "adamw"}
+    warned = "\n".join(chosen.fallbacks)
+    assert len(chosen.fallbacks) == 4
+    for package in ("flash-attn", "flash-linear-attention", "transformer-engine[pytorch]"):
+        assert f"install {package}" in warned
+
+
+def test_a_named_backend_that_cannot_run_is_one_clear_error(capsys):
+    with pytest.raises(ValueError, match=r"model.attention_backend=flash: backend='flash' needs"):
+        resolve_kernels(tiny("model.attention_backend=flash"), "cpu")
+    one = ("--set", "parallel.dp=1", "--set", "parallel.cp=1", "--set", "parallel.ep=1")
+    assert (
+        main(["tiny", *one, "--set", "model.gdn_backend=fla", "--set", "model.expert_backend=te"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("qwen35-train:") == 1 and "Traceback" not in err
+    assert "model.gdn_backend=fla: backend='fla' needs the flash-linear-attention" in err
+    assert "model.expert_backend=te: needs TransformerEngine and a CUDA device" in err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("parallel.tp=2", "parallel.async_tp=true"),
+            "parallel.async_tp=true: async TP needs a CUDA (or XPU) mesh with NCCL (XCCL)",
+        ),
+        (
+            ("parallel.tp=2", "parallel.sequence_parallel=false", "parallel.async_tp=true"),
+            "parallel.async_tp=true needs sequence parallelism",
+        ),
+        (
+            ("parallel.fsdp_backend=megatron",),
+            "parallel.fsdp_backend=megatron needs a CUDA device (this machine has none)",
+        ),
+        (
+            ("parallel.tp=2", "parallel.fsdp_backend=megatron"),
+            "parallel.fsdp_backend=megatron runs with parallel.ep=1 and parallel.tp=1",
+        ),
+        (("parallel.sequence_parallel=true",), "parallel.sequence_parallel=true needs"),
+        (
+            ("parallel.tp=2", "parallel.cp=8", "data.pack_length=264"),
+            "data.pack_length=264 must be a multiple of 16 under sequence parallelism",
+        ),
+    ],
+    ids=[
+        "async_tp_on_cpu",
+        "async_tp_without_sp",
+        "megatron_on_cpu",
+        "megatron_with_tp",
+        "sp_without_tp",
+        "sp_row_length",
+    ],  # fmt: skip
+)
+def test_layouts_this_machine_cannot_run_are_refused_before_anything_is_built(
+    overrides, message, capsys, monkeypatch
+):
+    """As under torchrun (WORLD_SIZE set, no worker started): every rank runs the same checks on
+    the same recipe and machine before any process group exists, so all exit 2 alike."""
+    recipe = tiny(*overrides)
+    monkeypatch.setenv("WORLD_SIZE", str(recipe.parallel.world))
+    argv = ["tiny"] + [a for o in (*ONE_PROCESS, *overrides) for a in ("--set", o)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("qwen35-train:") == 1 and message in err, err
+    assert "Traceback" not in err
+
+
+def test_compiled_blocks_equal_eager_in_one_process():
+    """``train.compile``: three steps with every decoder, vision and MTP block compiled equal the
+    eager run (fp32, rel 1e-5; parameters)."""
+    overrides = ("data.packing=true", "model.mtp_layers=1")
+    eager = train(layout_recipe(1, *overrides))
+    compiled = train(layout_recipe(1, *overrides, "train.compile=true"))
+
+    def state(result):
+        return {k: v.detach().float().clone() for k, v in result.state_dict().items()}
+
+    fields = ("loss", "ce", "aux", "grad_norm", "mtp_loss")
+    assert_same_run(compiled.logs, eager.logs, state(compiled), state(eager), fields=fields)
