@@ -122,7 +122,8 @@ GPU_BENCHMARKS = [
 @nox.session
 def gpu(session: nox.Session) -> None:
     """Every GPU check as ONE run for a lent device (one H200, about 10 minutes): each package's
-    ``@pytest.mark.gpu`` tests with its ``gpu`` extra (TransformerEngine, flash-attn, fla), the
+    ``@pytest.mark.gpu`` tests with its ``gpu`` extra (TransformerEngine, flash-attn, fla; the
+    trainer's ``gpu`` extra brings every package's; its 2-GPU tests skip on one GPU), the
     GPU benchmarks, then a one-GPU bf16 smoke run of the tiny recipe (20 steps, loss must fall).
     Refuses to start without CUDA, so it never reports skipped GPU tests as a pass."""
     if shutil.which("nvidia-smi") is None:
@@ -138,7 +139,7 @@ def gpu(session: nox.Session) -> None:
         _sync(session, package, *(("--group", "bench") if _has_group(path, "bench") else ()))
         session.chdir(path)
         session.run("python", script, *args, env=env)
-    _sync(session, "qwen35-trainer")
+    _sync(session, "qwen35-trainer", "--extra", "gpu")
     session.chdir(ROOT)
     session.run("python", "-c", GPU_SMOKE, env=env)
 

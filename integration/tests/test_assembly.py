@@ -107,7 +107,7 @@ def test_a_named_backend_that_cannot_run_is_one_clear_error(capsys):
         "megatron_with_tp",
         "sp_without_tp",
         "sp_row_length",
-    ],  # fmt: skip
+    ],
 )
 def test_layouts_this_machine_cannot_run_are_refused_before_anything_is_built(
     overrides, message, capsys, monkeypatch

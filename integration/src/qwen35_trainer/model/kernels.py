@@ -23,11 +23,31 @@ __all__ = ["Kernels", "resolve_kernels"]
 
 # per layer kind: (recipe key, {kernel: what the report calls it}, the fast kernel's package)
 _NAMES = {
-    "attention": ("model.attention_backend", {"flash": "flash-attn varlen", "torch": "torch SDPA per document piece"}, "flash-attn"),
-    "gated delta rule": ("model.gdn_backend", {"fla": "fla chunk_gated_delta_rule", "torch": "torch chunked rule"}, "flash-linear-attention"),
-    "experts": ("model.expert_backend", {"te": "TransformerEngine grouped GEMM", "torch": "torch grouped mm"}, "transformer-engine[pytorch]"),
-    "optimizer": ("train.optimizer", {"te_fused_adam": "TransformerEngine fused Adam", "adamw": "torch AdamW", "adam": "torch Adam"}, "transformer-engine[pytorch]"),
-}  # fmt: skip
+    "attention": (
+        "model.attention_backend",
+        {"flash": "flash-attn varlen", "torch": "torch SDPA per document piece"},
+        "flash-attn",
+    ),
+    "gated delta rule": (
+        "model.gdn_backend",
+        {"fla": "fla chunk_gated_delta_rule", "torch": "torch chunked rule"},
+        "flash-linear-attention",
+    ),
+    "experts": (
+        "model.expert_backend",
+        {"te": "TransformerEngine grouped GEMM", "torch": "torch grouped mm"},
+        "transformer-engine[pytorch]",
+    ),
+    "optimizer": (
+        "train.optimizer",
+        {
+            "te_fused_adam": "TransformerEngine fused Adam",
+            "adamw": "torch AdamW",
+            "adam": "torch Adam",
+        },
+        "transformer-engine[pytorch]",
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,11 @@ the same program as every layout) and applies, in place:
   exit hooks go on the layers after AC wraps them, so the exit's all-gather is not recomputed);
 - EP (``ep > 1``): every MoE's routed experts ``Shard(0)`` on the expert mesh's "ep" dim
   (:func:`moe_parallel.apply_expert_parallel`; tokens travel to their experts' ranks and back);
+- ``train.compile`` (and ``parallel.async_tp``, whose fusion happens in compiled graphs):
+  every decoder, vision and MTP block ``torch.compile``-d in place
+  (:mod:`qwen35_trainer.parallel.compile`); with async TP the TP plan's projections are
+  async-tp-linear's fusable ``TPLinear`` and Inductor's micro-pipeline TP is enabled on the TP
+  mesh (:func:`async_tp_linear.enable_async_tp`, CUDA / NCCL only);
 - activation checkpointing of decoder and vision blocks;
 - FSDP2 (:func:`fsdp_compat.shard_model`): dense parameters sharded over ``dp_shard × cp`` and
   replicated over ``dp_replicate`` (HSDP), experts over the expert mesh's ``efsdp`` (and
@@ -58,6 +63,7 @@ from typing import Any
 
 import torch
 
+from async_tp_linear import enable_async_tp, swap_tp_linears
 from fsdp_compat import MixedPrecision, shard_model
 from moe_parallel import (
     apply_activation_checkpointing,
@@ -75,7 +81,7 @@ from qwen35_trainer.parallel.sequence_parallel import (
     sequence_multiple,
 )
 from qwen35_trainer.parallel.tp_gdn import split_gated_deltanet
-from qwen35_trainer.parallel.tp_plan import tp_plan
+from qwen35_trainer.parallel.tp_plan import tp_linears, tp_plan
 
 __all__ = [
     "FSDP_UNITS",
@@ -187,6 +193,9 @@ def parallelize(
         activation_checkpointing=recipe.train.activation_checkpointing,
         param_dtype=torch.bfloat16 if bf16 else None,
         sequence_parallel=dims.sp,
+        # async TP only where it can run (validate_layout refused it elsewhere; the planner
+        # builds GPU layouts on a fake world, where the TP linears are the same parameters)
+        async_tp=recipe.parallel.async_tp and device.type == "cuda",
         compile_blocks_too=recipe.train.compile,
     )
     return Layout.from_meshes(meshes)
@@ -223,6 +232,7 @@ def apply_parallelism(
     activation_checkpointing: bool = False,
     param_dtype: torch.dtype | None = None,
     sequence_parallel: bool = False,
+    async_tp: bool = False,
     compile_blocks_too: bool = False,
 ) -> None:
     """TP (``sequence_parallel``: with SP), EP, activation checkpointing, then FSDP2, in place,
@@ -234,13 +244,17 @@ def apply_parallelism(
     sp = sequence_parallel and dims.tp > 1
     if dims.tp > 1:
         check_tp_heads(model.config.text_config, dims.tp)
-        apply_tensor_parallel(model, meshes.tp, tp_plan(model, sequence_parallel=sp))
+        plan = tp_plan(model, sequence_parallel=sp)
+        if async_tp:  # the projections in the shape Inductor's micro-pipeline TP pass fuses
+            swap_tp_linears(model, tp_linears(plan))
+            enable_async_tp(meshes.tp, sequence_parallel=sp)
+        apply_tensor_parallel(model, meshes.tp, plan)
         for layer in gated_deltanet_layers(model):
             split_gated_deltanet(layer, meshes.tp, sequence_parallel=sp)
     if dims.ep > 1:
         apply_expert_parallel(model, meshes.ep)
     summed = region_parameters(model) if sp else []
-    if compile_blocks_too:
+    if compile_blocks_too or async_tp:  # the async-TP fusion happens in compiled graphs
         compile_blocks(model)
     if activation_checkpointing:
         apply_activation_checkpointing(model)

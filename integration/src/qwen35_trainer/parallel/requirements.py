@@ -2,8 +2,8 @@
 
 :func:`machine_refusals` gives every reason the recipe's ``parallel`` section cannot run here —
 async TP off CUDA / NCCL (async-tp-linear's own reason, :func:`async_tp_linear.async_tp_refusal`),
-megatron-fsdp without CUDA or its package, and the combinations the trainer does not run on
-megatron-fsdp — so :func:`qwen35_trainer.parallel.validate_layout` refuses the recipe in one
+megatron-fsdp without CUDA or its package (and, where both are present, because the trainer does
+not assemble it yet), and the combinations the trainer does not run on megatron-fsdp — so :func:`qwen35_trainer.parallel.validate_layout` refuses the recipe in one
 message. Every rank of a launch runs the same checks on the same recipe and machine, so every rank
 exits the same way, before any collective.
 """
@@ -40,6 +40,14 @@ def machine_refusals(parallel: Any, *, cuda: bool | None = None) -> list[str]:
             )
         if missing:
             reasons.append("parallel.fsdp_backend=megatron needs " + " and ".join(missing))
+        else:
+            reasons.append(
+                "parallel.fsdp_backend=megatron is not assembled into the trainer yet: "
+                "megatron-fsdp returns a wrapper module and averages gradients, while the "
+                "trainer's objective runs in place with SUM reductions; use "
+                "parallel.fsdp_backend=fsdp2 (fsdp_compat.shard_model's megatron backend works "
+                "on its own)"
+            )
         if parallel.ep > 1 or parallel.tp > 1:
             reasons.append(
                 "parallel.fsdp_backend=megatron runs with parallel.ep=1 and parallel.tp=1: the "

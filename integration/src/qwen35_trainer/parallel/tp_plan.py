@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-__all__ = ["TP_PLAN", "tp_plan"]
+__all__ = ["TP_PLAN", "tp_linears", "tp_plan"]
 
 
 def _layer_plan(layers: str, sequence_parallel: bool = False) -> dict:
@@ -69,3 +69,10 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
     if hasattr(model, "mtp"):
         plan |= _layer_plan("mtp.layers.*", sequence_parallel)
     return plan
+
+
+def tp_linears(plan: dict) -> dict:
+    """The entries of ``plan`` that shard a Linear (column- or row-parallel): what
+    :func:`async_tp_linear.swap_tp_linears` turns into the fusable :class:`async_tp_linear.
+    TPLinear` under ``parallel.async_tp``."""
+    return {k: v for k, v in plan.items() if isinstance(v, ColwiseParallel | RowwiseParallel)}
