@@ -253,7 +253,10 @@ def apply_parallelism(
             split_gated_deltanet(layer, meshes.tp, sequence_parallel=sp)
     if dims.ep > 1:
         apply_expert_parallel(model, meshes.ep)
-    summed = region_parameters(model) if sp else []
+    if sp:  # found before FSDP puts every parameter on a mesh; read back when summed
+        objective.sequence_parallel = SequenceParallelGrads(
+            region_parameters(model), meshes.tp.get_group()
+        )
     if compile_blocks_too or async_tp:  # the async-TP fusion happens in compiled graphs
         compile_blocks(model)
     if activation_checkpointing:
@@ -275,5 +278,3 @@ def apply_parallelism(
         expert_mesh=meshes.expert_fsdp if dims.ep > 1 else None,
         grad_reduction="sum",
     )
-    if sp:
-        objective.sequence_parallel = SequenceParallelGrads(summed, meshes.tp.get_group())

@@ -3,7 +3,8 @@
 Without SP the TP peers hold the same tokens everywhere, so the residual stream, the norms, the
 routers and the routed experts compute the same thing ``tp`` times and keep ``tp`` copies of
 their activations. With SP (``parallel.sequence_parallel``, on whenever ``tp > 1``) a run of
-decoder layers — the decoder stack, and each multi-token-prediction layer — is a region whose
+decoder layers — the decoder stack with its final norm, and each multi-token-prediction layer —
+is a region whose
 residual stream is split on the sequence dim over the TP ranks:
 
 - entering the region (the first layer's input, whole on every TP peer): rank ``r`` keeps its
