@@ -14,7 +14,9 @@ import cp_varlen_attn.gated_delta
 from qwen35_trainer import train
 from qwen35_trainer.cli import main
 from qwen35_trainer.model import kernels
+from qwen35_trainer.model.build import build_model
 from qwen35_trainer.model.kernels import resolve_kernels
+from qwen35_trainer.parallel.compile import compile_blocks
 
 
 def test_the_kernel_report_on_cpu_names_the_torch_paths():
@@ -125,8 +127,9 @@ def test_layouts_this_machine_cannot_run_are_refused_before_anything_is_built(
 
 def test_compiled_blocks_equal_eager_in_one_process():
     """``train.compile``: three steps with every decoder, vision and MTP block compiled equal the
-    eager run (fp32, rel 1e-5; parameters)."""
-    overrides = ("data.packing=true", "model.mtp_layers=1")
+    eager run (fp32, rel 1e-5; parameters), with activation checkpointing (the recipes' setting:
+    the recompute must run the graph the forward ran)."""
+    overrides = ("data.packing=true", "model.mtp_layers=1", "train.activation_checkpointing=true")
     eager = train(layout_recipe(1, *overrides))
     compiled = train(layout_recipe(1, *overrides, "train.compile=true"))
 
@@ -135,3 +138,12 @@ def test_compiled_blocks_equal_eager_in_one_process():
 
     fields = ("loss", "ce", "aux", "grad_norm", "mtp_loss")
     assert_same_run(compiled.logs, eager.logs, state(compiled), state(eager), fields=fields)
+
+
+def test_compiling_refuses_transformers_own_checkpointing():
+    """The compiled forward is the block class's own, inside transformers' checkpointing wrapper:
+    a block with that wrapper turned on would silently lose it, so it is an error."""
+    model = build_model(tiny().model)
+    model.model.language_model.layers[0].gradient_checkpointing = True
+    with pytest.raises(ValueError, match=r"layers\.0: transformers' gradient checkpointing"):
+        compile_blocks(model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from dist_checks import (
     check_ac_under_ep_wraps_vision,
+    check_compiled_ep_parity,
     check_ep_detached_router_is_caught,
     check_ep_parity,
     check_ep_parity_te_stand_in,
@@ -21,6 +22,7 @@ from dist_testkit import run_checks
 
 CHECKS = [
     check_ep_parity,
+    check_compiled_ep_parity,
     check_ep_parity_te_stand_in,
     check_ep_detached_router_is_caught,
     check_ep_size_must_divide_experts,
@@ -35,7 +37,7 @@ CHECKS = [
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def report(request):
-    return run_checks(CHECKS, request.param, timeout=90)
+    return run_checks(CHECKS, request.param, timeout=180)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
@@ -43,7 +45,9 @@ def test_rank_check(report, check):
     report.assert_passed(check)
 
 
-@pytest.mark.parametrize("check", [check_ep_parity, check_ep_parity_te_stand_in])
+@pytest.mark.parametrize(
+    "check", [check_ep_parity, check_compiled_ep_parity, check_ep_parity_te_stand_in]
+)
 def test_token_counts_are_uneven_and_complete(report, check):
     counts = report.assert_passed(check)
     totals = [sum(c) for c in counts]

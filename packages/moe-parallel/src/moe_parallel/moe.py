@@ -130,6 +130,12 @@ class Experts(nn.Module):
             return gate_up.to_local(), down.to_local()
         return gate_up, down
 
+    # Inside a torch.compile-d block the routed experts run eagerly: their row counts are
+    # data-dependent (bincount, the dispatch's split sizes), so Dynamo breaks the graph here
+    # anyway, and across those breaks it rebuilds the closure's ``to_local()`` expert shards
+    # with the DTensor's global shape (an EP rank then sees all E experts: wrong shapes).
+    # The grouped GEMM is a library kernel either way.
+    @torch.compiler.disable
     def forward(self, x_NH: torch.Tensor, top_i_NK: torch.Tensor) -> torch.Tensor:
         """x_NH [N, H], top_i_NK [N, K] expert ids → [N, K, H] per-assignment outputs.
 
