@@ -334,7 +334,7 @@ def check_bad_inputs() -> None:
             r"grad_reduction must be one of \('mean', 'sum'\)",
         ),
         (dict(expert_mesh="ep"), TypeError, "expert_mesh must be a 1-D or 2-D DeviceMesh"),
-        (dict(backend="megatron-fsdp", grad_reduction="sum"), ValueError, "are FSDP2 options"),
+        (dict(backend="megatron-fsdp", expert_mesh=mesh), ValueError, "is an FSDP2 option"),
     ]
     for kwargs, error, pattern in cases:
         with pytest.raises(error, match=pattern):

@@ -151,6 +151,26 @@ def check_release_specific_options() -> None:
     assert kw["fsdp_group_ag"] is group and kw["expt_fsdp_group_ag"] is group
 
 
+def check_sum_reduction_is_per_token_loss() -> None:
+    """``grad_reduction="sum"`` → ``calculate_per_token_loss=True`` (in the 0.5.1 and 0.6.1
+    sources: no gradient scaling factor, so ``ReduceOp.SUM``); a release without it fails
+    closed."""
+    mesh = make_mesh((2,), ("dp",))
+    real, kw = _call(TinyTransformer(), mesh, grad_reduction="sum")
+    inspect.signature(real).bind(**kw)
+    assert kw["calculate_per_token_loss"] is True
+    _, kw = _call(TinyTransformer(), mesh)
+    assert "calculate_per_token_loss" not in kw  # "mean": the release's own averaging
+    with pytest.raises(BackendSignatureError, match=r"\['calculate_per_token_loss'\]"):
+        _call(TinyTransformer(), mesh, fake=_no_units_reduction, grad_reduction="sum")
+    with pytest.raises(ValueError, match="set by shard_model itself"):
+        shard_model(TinyTransformer(), mesh, backend="megatron-fsdp", calculate_per_token_loss=True)
+
+
+def _no_units_reduction(module, device_mesh=None, dp_shard_dim=None, fsdp_unit_modules=None):
+    """An entry point without ``calculate_per_token_loss``."""
+
+
 def _old_signature(module, device_mesh=None, dp_shard_dim=None, fsdp_unit_modules=None,
                    grad_reduce_in_fp32=False, preserve_fp32_weights=True,
                    check_for_nan_in_grad=False):  # fmt: skip
@@ -207,6 +227,7 @@ CHECKS = [
     check_release_specific_options,
     check_unknown_signature_fails_closed,
     check_tp_shape_bug_refused_before_collectives,
+    check_sum_reduction_is_per_token_loss,
 ]
 
 

@@ -43,9 +43,10 @@ def machine_refusals(parallel: Any, *, cuda: bool | None = None) -> list[str]:
         else:
             reasons.append(
                 "parallel.fsdp_backend=megatron is not assembled into the trainer yet: "
-                "megatron-fsdp returns a wrapper module and averages gradients, while the "
-                "trainer's objective runs in place with SUM reductions; use "
-                "parallel.fsdp_backend=fsdp2 (fsdp_compat.shard_model's megatron backend works "
+                "megatron-fsdp returns a wrapper module (the trainer's objective, checkpoints "
+                "and exports use the model in place) and syncs gradients inside its optimizer's "
+                "step (the trainer clips before it); use parallel.fsdp_backend=fsdp2 "
+                "(fsdp_compat.shard_model's megatron backend, SUM reductions included, works "
                 "on its own)"
             )
         if parallel.ep > 1 or parallel.tp > 1:

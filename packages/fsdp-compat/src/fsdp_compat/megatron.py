@@ -18,7 +18,11 @@ Translation (ours → megatron-fsdp):
 - ``reshard_after_forward`` True/False → ``zero_dp_strategy`` "optim_grads_params" (ZeRO-3:
   parameters freed after forward) / "optim_grads" (ZeRO-2: parameters kept); omitted when unset;
 - :class:`MixedPrecision` → ``mixed_precision_policy=MixedPrecisionPolicy(main_params_dtype,
-  main_grads_dtype, grad_comm_dtype)``; ``report_nan`` → the release's NaN-report flag.
+  main_grads_dtype, grad_comm_dtype)``; ``report_nan`` → the release's NaN-report flag;
+- ``grad_reduction="sum"`` → ``calculate_per_token_loss=True``: megatron-fsdp then gives its
+  gradient buffers no scaling factor, and an unscaled bucket is reduced with ``ReduceOp.SUM``
+  (the HSDP outer reduction sums unless ``average_in_collective``), so every reduction is a
+  plain sum, as under FSDP2's ``"sum"``.
 
 TP DTensors: the published wheels build gradient/parameter DTensors with
 ``local.view(-1, *param.shape[1:])`` where ``param`` is the TP DTensor, i.e. its GLOBAL trailing
@@ -57,6 +61,7 @@ _NAN_FLAGS = ("report_nan_in_param_grad", "check_for_nan_in_grad")
 _OURS = {
     "module", "optimizer", "device_mesh", "dp_shard_dim", "dp_outer_dim", "hybrid_fsdp_group",
     "tp_dim", "fsdp_unit_modules", "zero_dp_strategy", "mixed_precision_policy", *_NAN_FLAGS,
+    "calculate_per_token_loss",
 }  # fmt: skip
 
 
@@ -157,6 +162,7 @@ def build_megatron_call(
     mixed_precision: MixedPrecision | None = None,
     report_nan: bool | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    sum_reduction: bool = False,
     options: dict[str, Any] | None = None,
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
     """(megatron-fsdp entry point, the keyword arguments to call it with).
@@ -215,5 +221,8 @@ def build_megatron_call(
         if flag is None:
             _require(fn, [_NAN_FLAGS[0]], "report_nan")
         kwargs[flag] = bool(report_nan)
+    if sum_reduction:
+        _require(fn, ["calculate_per_token_loss"], "grad_reduction='sum'")
+        kwargs["calculate_per_token_loss"] = True
     kwargs.update(options)
     return fn, kwargs

@@ -16,7 +16,9 @@ are taken out of ``backend_options`` before the rest goes to the backend:
 - ``grad_reduction`` (default ``"mean"``): ``"sum"`` makes every FSDP2 gradient reduction a
   SUM (``set_gradient_divide_factor(1.0)`` with ``set_force_sum_reduction_for_comms(True)``, on
   every unit, so no backend falls back to a pre- or post-division): for losses that are each
-  rank's share of the global loss. megatron-fsdp averages and refuses ``"sum"``.
+  rank's share of the global loss. megatron-fsdp: ``"sum"`` is its
+  ``calculate_per_token_loss=True`` (no gradient scaling, so its reduce-scatters and the HSDP
+  outer reduction are plain SUMs).
 - ``tp_dim`` / ``report_nan``: megatron-fsdp only (FSDP2 reads TP from the DTensors and has no
   NaN report); given to FSDP2 they are an error rather than silently ignored.
 
@@ -138,13 +140,12 @@ def shard_model(
     if backend == "fsdp2":
         return _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard_after_forward,
                       mixed_precision, optimizer, options, expert_mesh, reduction)  # fmt: skip
-    if expert_mesh is not None or reduction != "mean":
+    if expert_mesh is not None:
         raise ValueError(
-            "expert_mesh and grad_reduction='sum' are FSDP2 options: megatron-fsdp derives its "
-            "expert groups itself and averages gradients"
+            "expert_mesh is an FSDP2 option: megatron-fsdp derives its expert groups itself"
         )
     return _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard_after_forward,
-                     mixed_precision, optimizer, options)  # fmt: skip
+                     mixed_precision, optimizer, options, reduction)  # fmt: skip
 
 
 def _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard, mp, optimizer, options,
@@ -178,7 +179,8 @@ def _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard, mp, optimizer,
     )
 
 
-def _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard, mp, optimizer, options):
+def _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard, mp, optimizer, options,
+              reduction):  # fmt: skip
     from fsdp_compat.megatron import build_megatron_call, check_megatron_tp_params
 
     check_megatron_tp_params(model)  # before any process group is created
@@ -199,6 +201,7 @@ def _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard, mp, 
         mixed_precision=mp,
         report_nan=report_nan,
         optimizer=optimizer,
+        sum_reduction=reduction == "sum",
         options=options,
     )
     result = fn(**kwargs)
