@@ -5,6 +5,8 @@ layouts are in ``test_train_dp.py``; the GPU checks in ``test_gpu.py``."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from dist_checks import assert_same_run, layout_recipe
 from helpers import ONE_PROCESS, tiny
@@ -17,6 +19,7 @@ from qwen35_trainer.model import kernels
 from qwen35_trainer.model.build import build_model
 from qwen35_trainer.model.kernels import resolve_kernels
 from qwen35_trainer.parallel.compile import compile_blocks
+from qwen35_trainer.parallel.requirements import machine_refusals
 
 
 def test_the_kernel_report_on_cpu_names_the_torch_paths():
@@ -147,3 +150,17 @@ def test_compiling_refuses_transformers_own_checkpointing():
     model.model.language_model.layers[0].gradient_checkpointing = True
     with pytest.raises(ValueError, match=r"layers\.0: transformers' gradient checkpointing"):
         compile_blocks(model)
+
+
+def test_megatron_with_cuda_and_its_package_is_refused_with_what_is_missing(monkeypatch):
+    """Where CUDA and megatron-fsdp are both present the backend is still refused, saying which
+    part of the trainer does not take it yet (not a bare "unsupported")."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "megatron_fsdp" else real_find_spec(name, *a),
+    )
+    (reason,) = machine_refusals(tiny("parallel.fsdp_backend=megatron").parallel, cuda=True)
+    assert "not assembled into the trainer yet" in reason
+    assert "wrapper module" in reason and "clips before it" in reason
