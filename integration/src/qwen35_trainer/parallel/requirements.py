@@ -4,8 +4,9 @@
 async TP off CUDA / NCCL (async-tp-linear's own reason, :func:`async_tp_linear.async_tp_refusal`),
 megatron-fsdp without CUDA or its package (and, where both are present, because the trainer does
 not assemble it yet), and the combinations the trainer does not run on megatron-fsdp — so
-:func:`qwen35_trainer.parallel.validate_layout` refuses the recipe in one message. Every rank of a launch runs the same checks on the same recipe and machine, so every rank
-exits the same way, before any collective.
+:func:`qwen35_trainer.parallel.validate_layout` refuses the recipe in one message. Every rank of
+a launch runs the same checks on the same recipe and machine, so every rank exits the same way,
+before any collective.
 """
 
 from __future__ import annotations
