@@ -166,7 +166,7 @@ def validate_layout(recipe: Any, world_size: int, *, on_this_machine: bool = Tru
             "split over the TP ranks in equal slices)"
         )
     if on_this_machine:
-        reasons += machine_refusals(parallel)
+        reasons += machine_refusals(parallel, compiled=recipe.train.compile)
     if reasons:
         raise ValueError("invalid parallel layout: " + "; ".join(reasons))
     return dims
