@@ -99,10 +99,6 @@ def test_a_named_backend_that_cannot_run_is_one_clear_error(capsys):
             ("parallel.tp=2", "parallel.fsdp_backend=megatron"),
             "parallel.fsdp_backend=megatron runs with parallel.ep=1 and parallel.tp=1",
         ),
-        (
-            ("parallel.tp=2", "train.compile=true"),
-            "train.compile=true with parallel.tp > 1 does not run on CPU",
-        ),
         (("parallel.sequence_parallel=true",), "parallel.sequence_parallel=true needs"),
         (
             ("parallel.tp=2", "parallel.cp=8", "data.pack_length=264"),
@@ -114,7 +110,6 @@ def test_a_named_backend_that_cannot_run_is_one_clear_error(capsys):
         "async_tp_without_sp",
         "megatron_on_cpu",
         "megatron_with_tp",
-        "compile_with_tp_on_cpu",
         "sp_without_tp",
         "sp_row_length",
     ],

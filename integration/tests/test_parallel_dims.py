@@ -24,12 +24,11 @@ from qwen35_trainer.parallel.apply import check_tp_heads
 
 def check_layout(spec: ParallelRecipe, world: int, *, packing: bool):
     """:func:`validate_layout` of a recipe with this ``parallel`` section and packing (no
-    multi-token-prediction head, rows as long as their documents, eager blocks)."""
+    multi-token-prediction head, rows as long as their documents)."""
     recipe = SimpleNamespace(
         parallel=spec,
         data=SimpleNamespace(packing=packing, pack_length=None),
         model=SimpleNamespace(mtp_depth=0),
-        train=SimpleNamespace(compile=False),
     )
     return validate_layout(recipe, world)
 

@@ -11,7 +11,7 @@ layout) with activation checkpointing; DP x CP 2 with the experts split over the
 DP x TP 2 (attention heads and shared expert split) on packed rows. Every TP layout runs with
 sequence parallelism (the default with tp > 1: TP 2, DP 2 x TP 2 with checkpointing, TP 2 x CP 2,
 DP 2 x TP 2 x EP 2 with accumulation, bf16 TP 2) except TP 2 x EP 2, which keeps the replicated
-residual stream (``parallel.sequence_parallel=false``). DP 2 x CP 2 x EP 2 also runs with every
+residual stream (``parallel.sequence_parallel=false``). DP 2 x CP 2 x EP 2 and TP 2 also run with every
 block compiled (``train.compile``, with checkpointing). The packed layouts with TP,
 EP = world, CP 2 x EP 2 and bf16 also train the multi-token-prediction head, against one packed
 process with it (the token after a CP rank's last position lives on the other rank). Resume: a run stopped after one
@@ -118,6 +118,20 @@ LAYOUTS = {
         ),
         "mtp",
         (4,),
+    ),
+    # compiled TP 2 + SP (the decoder and MTP layers compiled for static shapes), with
+    # checkpointing and the MTP head
+    "compiled_tp2": (
+        (
+            "parallel.dp=1",
+            "parallel.tp=2",
+            "data.samples_per_rank=4",
+            "train.activation_checkpointing=true",
+            "train.compile=true",
+            *MTP_ON,
+        ),
+        "mtp",
+        (2,),
     ),
     # EP groups inside one CP group: the 122B shape (EP 8 inside CP 32) in miniature
     "cp4_ep2": (

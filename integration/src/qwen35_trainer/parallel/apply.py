@@ -166,7 +166,7 @@ def validate_layout(recipe: Any, world_size: int, *, on_this_machine: bool = Tru
             "split over the TP ranks in equal slices)"
         )
     if on_this_machine:
-        reasons += machine_refusals(parallel, compiled=recipe.train.compile)
+        reasons += machine_refusals(parallel)
     if reasons:
         raise ValueError("invalid parallel layout: " + "; ".join(reasons))
     return dims
@@ -258,7 +258,7 @@ def apply_parallelism(
             region_parameters(model), meshes.tp.get_group()
         )
     if compile_blocks_too or async_tp:  # the async-TP fusion happens in compiled graphs
-        compile_blocks(model)
+        compile_blocks(model, tp_split=dims.tp > 1)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if sp:

@@ -18,9 +18,20 @@ still has one graph per attention kind and per call site (the decoder stack and 
 pass different arguments): up to 7 in the tiny model, so the limit is raised to
 :data:`RECOMPILE_LIMIT` (never lowered), leaving room for a model's every variant.
 
+Shapes: without TP a block compiles once for every sequence length (``dynamic=True``: the
+packed rows and the vision tower's patch counts vary from step to step). Decoder and MTP
+layers split by TP compile for static shapes (``dynamic=False``; the vision tower is not
+split and stays dynamic): with a symbolic sequence length, AOTAutograd's
+trace of the DTensor ops' backward failed (torch 2.15, CPU: a RecursionError while building the
+graph node of the sequence-length symbol for an ``aten.view`` inside DTensor's dispatch;
+pytorch/pytorch#152954 reports the same recursion), and with static shapes the same run equals
+one process. A TP run with ``data.pack_length`` set (every real dataset) has one row length, so
+one graph; without it (synthetic data) each new row length compiles once more, within
+:data:`RECOMPILE_LIMIT`.
+
 Compiling changes no result beyond floating-point reassociation by Inductor's fused kernels:
 tests compare compiled runs with eager (one process, with checkpointing) and with one process
-(DP 2 x CP 2 x EP 2) over three steps at rel 1e-5. Inside a block the functions whose Python
+(DP 2 x CP 2 x EP 2, and TP 2 with sequence parallelism) over three steps at rel 1e-5. Inside a block the functions whose Python
 follows each row's layout or its routed token counts (cp-varlen-attn's attention and delta
 rule, moe-parallel's routed experts) run eagerly: they are excluded from compilation.
 """
@@ -35,19 +46,22 @@ from torch import nn
 
 __all__ = ["RECOMPILE_LIMIT", "compile_blocks"]
 
-_CONTAINERS = ("layers", "blocks")
+_CONTAINERS = ("layers", "blocks")  # decoder and MTP layers, vision blocks
 RECOMPILE_LIMIT = 64
 
 
-def compile_blocks(model: nn.Module) -> list[str]:
+def compile_blocks(model: nn.Module, *, tp_split: bool = False) -> list[str]:
     """Compile every block of the model's ``layers`` / ``blocks`` containers (decoder layers,
-    vision blocks, MTP layers) in place; their paths."""
+    vision blocks, MTP layers) in place; their paths. ``tp_split``: the decoder and MTP layers
+    are split by TP (compiled for static shapes)."""
     limit = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
     compiled_forward: dict[type, object] = {}  # one compiled function per block class
     paths = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in _CONTAINERS:
+        container = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.ModuleList) and container in _CONTAINERS:
+            dynamic = not (tp_split and container == "layers")
             for i, block in enumerate(module):
                 cls = type(block)
                 if getattr(block, "gradient_checkpointing", False):
@@ -57,7 +71,7 @@ def compile_blocks(model: nn.Module) -> list[str]:
                     )
                 if cls not in compiled_forward:
                     forward = inspect.unwrap(cls.forward)
-                    compiled_forward[cls] = torch.compile(forward, dynamic=True)
+                    compiled_forward[cls] = torch.compile(forward, dynamic=dynamic)
                 block.forward = types.MethodType(compiled_forward[cls], block)
                 paths.append(f"{name}.{i}")
     return paths

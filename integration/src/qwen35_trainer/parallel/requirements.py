@@ -3,8 +3,7 @@
 :func:`machine_refusals` gives every reason the recipe's ``parallel`` section cannot run here —
 async TP off CUDA / NCCL (async-tp-linear's own reason, :func:`async_tp_linear.async_tp_refusal`),
 megatron-fsdp without CUDA or its package (and, where both are present, because the trainer does
-not assemble it yet), the combinations the trainer does not run on megatron-fsdp, and compiled
-TP blocks off CUDA (Inductor's backward trace of them fails on CPU, see below) — so
+not assemble it yet) and the combinations the trainer does not run on megatron-fsdp — so
 :func:`qwen35_trainer.parallel.validate_layout` refuses the recipe in one message. Every rank of
 a launch runs the same checks on the same recipe and machine, so every rank exits the same way,
 before any collective.
@@ -20,22 +19,11 @@ import torch
 __all__ = ["machine_refusals"]
 
 
-def machine_refusals(
-    parallel: Any, *, cuda: bool | None = None, compiled: bool = False
-) -> list[str]:
+def machine_refusals(parallel: Any, *, cuda: bool | None = None) -> list[str]:
     """Why ``parallel`` cannot run on this machine (``cuda``: whether a CUDA device is present;
-    default: ask torch; ``compiled``: ``train.compile``)."""
+    default: ask torch)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     reasons = []
-    if compiled and parallel.tp > 1 and not cuda:
-        # Measured with torch 2.15 on CPU (gloo, TP 2 + SP): AOTAutograd's trace of the compiled
-        # TP blocks' backward recursed without end (RecursionError; with a higher recursion
-        # limit the rank crashed). Not yet run on CUDA, where async TP needs these graphs.
-        reasons.append(
-            "train.compile=true with parallel.tp > 1 does not run on CPU: Inductor's backward "
-            "trace of the TP-split blocks fails there (RecursionError); compile without TP, "
-            "or run TP eagerly"
-        )
     if parallel.async_tp:
         from async_tp_linear import async_tp_refusal
 
