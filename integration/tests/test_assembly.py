@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 from dist_checks import assert_same_run, layout_recipe
 from helpers import ONE_PROCESS, tiny
 
@@ -20,6 +21,7 @@ from qwen35_trainer.model.build import build_model
 from qwen35_trainer.model.kernels import resolve_kernels
 from qwen35_trainer.parallel.compile import compile_blocks
 from qwen35_trainer.parallel.requirements import machine_refusals
+from qwen35_trainer.train.console import what_runs
 
 
 def test_the_kernel_report_on_cpu_names_the_torch_paths():
@@ -141,6 +143,27 @@ def test_compiled_blocks_equal_eager_in_one_process():
 
     fields = ("loss", "ce", "aux", "grad_norm", "mtp_loss")
     assert_same_run(compiled.logs, eager.logs, state(compiled), state(eager), fields=fields)
+
+
+def test_the_first_lines_say_how_the_blocks_compile():
+    """Under TP the split layers compile for static shapes (``parallel.compile``): the run says
+    so, and without ``data.pack_length`` that each new row length compiles again."""
+
+    def said(*overrides):
+        recipe = tiny(*overrides)
+        lines = what_runs(recipe, 4, torch.device("cpu"), resolve_kernels(recipe, "cpu"))
+        return lines[1].split("; compiled blocks ")[1]
+
+    tp = ("parallel.dp=1", "parallel.tp=2", "data.packing=true", "train.compile=true")
+    assert said() == "off"
+    assert said("train.compile=true") == "on (dynamic shapes)"
+    assert said(*tp) == (
+        "on (the TP-split layers for static shapes: one graph per row length; set "
+        "data.pack_length for one graph)"
+    )
+    assert said(*tp, "data.pack_length=64") == (
+        "on (the TP-split layers for static shapes: one graph per row length)"
+    )
 
 
 def test_compiling_refuses_transformers_own_checkpointing():

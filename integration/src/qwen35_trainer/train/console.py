@@ -27,14 +27,19 @@ def what_runs(recipe: Recipe, world: int, device: torch.device, kernels: Kernels
     if p.tp > 1:
         tp_extras = f"; sequence parallel {'on' if p.sp else 'off'}"
         tp_extras += f", async TP {'on' if p.async_tp else 'off'}"
+    compiled = "off"
+    if training.compile or p.async_tp:
+        compiled = "on (dynamic shapes)"
+        if p.tp > 1:  # see qwen35_trainer.parallel.compile
+            compiled = "on (the TP-split layers for static shapes: one graph per row length"
+            compiled += ")" if data.pack_length else "; set data.pack_length for one graph)"
     lines = [
         f"layout: dp_replicate {p.dp_replicate} x dp {p.dp} x cp {p.cp} x tp {p.tp}, ep {p.ep} "
         f"(ep_first {p.ep_first}) on {world} rank(s), {backend} on {device.type}; "
         f"{sharding}{tp_extras}",
         f"precision: {training.dtype}; activation checkpointing "
         f"{'on' if training.activation_checkpointing else 'off'}; deterministic "
-        f"{'on' if training.deterministic else 'off'}; compiled blocks "
-        f"{'on' if training.compile or p.async_tp else 'off'}",
+        f"{'on' if training.deterministic else 'off'}; compiled blocks {compiled}",
         kernels.line(),
     ]
     if recipe.model.mtp_depth:
