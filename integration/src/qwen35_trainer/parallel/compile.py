@@ -19,21 +19,21 @@ pass different arguments): up to 7 in the tiny model, so the limit is raised to
 :data:`RECOMPILE_LIMIT` (never lowered), leaving room for a model's every variant.
 
 Shapes: without TP a block compiles once for every sequence length (``dynamic=True``: the
-packed rows and the vision tower's patch counts vary from step to step). Decoder and MTP
-layers split by TP compile for static shapes (``dynamic=False``; the vision tower is not
-split and stays dynamic): with a symbolic sequence length, AOTAutograd's
-trace of the DTensor ops' backward failed (torch 2.15, CPU: a RecursionError while building the
-graph node of the sequence-length symbol for an ``aten.view`` inside DTensor's dispatch;
-pytorch/pytorch#152954 reports the same recursion), and with static shapes the same run equals
-one process. A TP run with ``data.pack_length`` set (every real dataset) has one row length, so
-one graph; without it (synthetic data) each new row length compiles once more, within
-:data:`RECOMPILE_LIMIT`.
+packed rows and the vision tower's patch counts vary from step to step). Decoder and MTP layers
+split by TP compile for static shapes (``dynamic=False``; the vision tower is not split and
+stays dynamic): with a symbolic sequence length, AOTAutograd's trace of the DTensor ops'
+backward failed (torch 2.15, CPU: a RecursionError while building the graph node of the
+sequence-length symbol for an ``aten.view`` inside DTensor's dispatch; pytorch/pytorch#152954
+reports the same recursion), and with static shapes the same run equals one process. A TP run
+with ``data.pack_length`` set (every real dataset) has one row length, so one graph; without it
+(synthetic data) each new row length compiles once more, within :data:`RECOMPILE_LIMIT`.
 
 Compiling changes no result beyond floating-point reassociation by Inductor's fused kernels:
 tests compare compiled runs with eager (one process, with checkpointing) and with one process
-(DP 2 x CP 2 x EP 2, and TP 2 with sequence parallelism) over three steps at rel 1e-5. Inside a block the functions whose Python
-follows each row's layout or its routed token counts (cp-varlen-attn's attention and delta
-rule, moe-parallel's routed experts) run eagerly: they are excluded from compilation.
+(DP 2 x CP 2 x EP 2, and TP 2 with sequence parallelism) over three steps at rel 1e-5. Inside a
+block the functions whose Python follows each row's layout or its routed token counts
+(cp-varlen-attn's attention and delta rule, moe-parallel's routed experts) run eagerly: they are
+excluded from compilation.
 """
 
 from __future__ import annotations
