@@ -1,19 +1,23 @@
 """The planner: the public sizes' recipes on fake worlds of 16 to 256 ranks, the terms beyond the
-counted tensors, its verdicts and refusals, and its exact byte counts against real runs of the
-same layouts (gloo, world 4)."""
+counted tensors, its verdicts and refusals, its processes, and its exact byte counts against
+real runs of the same layouts (gloo: every world-4 measurement in one launch)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import torch.distributed as dist
+from dist_checks import measured_state_bytes, saved_activation_bytes
 from helpers import ONE_PROCESS, SYNTHETIC, TINY
 
-from dist_testkit import launch
+from dist_testkit import launch, named_check, run_checks
 from qwen35_trainer import load_recipe
 from qwen35_trainer.cli import main
 from qwen35_trainer.plan import plan
 from qwen35_trainer.plan.memory import LOSS_CHUNK_BYTES
+from qwen35_trainer.plan.planner import rank_processes
 
 # world-4 layouts of the tiny recipe: its own (DP 2 x CP 2 with EP 2) and TP 2 x EP 2 in bf16
 SMALL = {
@@ -112,28 +116,18 @@ def test_impossible_layouts_are_refused_with_the_reason(args, reason, capsys):
     assert reason in capsys.readouterr().err
 
 
-def _measured(overrides):
-    from dist_checks import measured_state_bytes
-
-    return measured_state_bytes(overrides)
+def _process():
+    return os.getpid(), dist.is_initialized()
 
 
-@pytest.mark.parametrize("layout", SMALL)
-def test_predicted_state_bytes_equal_a_real_run(layout):
-    """Parameters, gradients and optimizer state per rank: the planner's counts (ranks 0 and 3)
-    equal what a real one-step run at world 4 holds, byte for byte."""
-    overrides = (*SYNTHETIC, *SMALL[layout])
-    predicted = plan(load_recipe(TINY, overrides)).ranks
-    outcomes = launch(_measured, 4, overrides, timeout=300)
-    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
-    measured = {o.value["rank"]: o.value for o in outcomes}
-    for rank, mem in predicted.items():
-        got = measured[rank]
-        assert (mem.parameters, mem.gradients, mem.optimizer) == (
-            got["parameters"],
-            got["gradients"],
-            got["optimizer"],
-        ), (rank, mem, got)
+def test_each_planned_rank_runs_in_a_fresh_process():
+    """A planned rank builds meshes on its own fake world, and torch caches meshes per process:
+    no process may run two ranks, nor start with a process group (the pool's processes are
+    forked from a server that only imported the planner)."""
+    with rank_processes(2) as pool:
+        ran = [pool.submit(_process).result() for _ in range(3)]
+    assert len({pid for pid, _ in ran}) == 3 and os.getpid() not in {pid for pid, _ in ran}
+    assert not any(initialized for _, initialized in ran)
 
 
 # fixed-size documents (2 x 24 text tokens around one 8 x 8 image), so the planner's largest row
@@ -145,10 +139,31 @@ FIXED = (
 )
 
 
-def _saved(overrides):
-    from dist_checks import saved_activation_bytes
+@pytest.fixture(scope="module")
+def world4():
+    """ONE world-4 launch: each SMALL layout's state bytes after a step, and the saved
+    activations of the tiny recipe's own layout (DP 2 x CP 2 with EP 2)."""
+    checks = [
+        named_check(f"state_{name}", measured_state_bytes, (*SYNTHETIC, *overrides))
+        for name, overrides in SMALL.items()
+    ]
+    checks.append(named_check("saved_dp2_cp2_ep2", saved_activation_bytes, (*SYNTHETIC, *FIXED)))
+    return run_checks(checks, 4, timeout=900)
 
-    return saved_activation_bytes(overrides)
+
+@pytest.mark.parametrize("layout", SMALL)
+def test_predicted_state_bytes_equal_a_real_run(layout, world4):
+    """Parameters, gradients and optimizer state per rank: the planner's counts (ranks 0 and 3)
+    equal what a real one-step run at world 4 holds, byte for byte."""
+    predicted = plan(load_recipe(TINY, (*SYNTHETIC, *SMALL[layout]))).ranks
+    measured = {value["rank"]: value for value in world4.assert_passed(f"state_{layout}")}
+    for rank, mem in predicted.items():
+        got = measured[rank]
+        assert (mem.parameters, mem.gradients, mem.optimizer) == (
+            got["parameters"],
+            got["gradients"],
+            got["optimizer"],
+        ), (rank, mem, got)
 
 
 @pytest.mark.parametrize(
@@ -161,18 +176,22 @@ def _saved(overrides):
     ],
     ids=["one_process", "one_process_mtp", "dp2_cp2_ep2", "tp2_sp_mtp"],
 )
-def test_predicted_saved_activations_are_within_20_percent(layout, world):
+def test_predicted_saved_activations_are_within_20_percent(layout, world, request):
     """The forward's saved tensors (saved_tensors_hooks, storages once, parameters excluded)
     against the planner's activations plus the loss's saved fp32 gradients (its ``loss`` line
     without the one-chunk working set)."""
     overrides = (*SYNTHETIC, *layout, *FIXED)
     predicted = plan(load_recipe(TINY, overrides)).ranks
     if world == 1:
-        measured = {0: _saved(overrides)}
+        values = [saved_activation_bytes(overrides)]
+    elif world == 4:  # the tiny recipe's own layout: measured in the world-4 launch
+        assert overrides == (*SYNTHETIC, *FIXED)
+        values = request.getfixturevalue("world4").assert_passed("saved_dp2_cp2_ep2")
     else:
-        outcomes = launch(_saved, world, overrides, timeout=300)
+        outcomes = launch(saved_activation_bytes, world, overrides, timeout=300)
         assert all(o.ok for o in outcomes), [o.error for o in outcomes]
-        measured = {o.value["rank"]: o.value for o in outcomes}
+        values = [o.value for o in outcomes]
+    measured = {value["rank"]: value for value in values}
     for rank, mem in predicted.items():
         expected = mem.activations + mem.loss - LOSS_CHUNK_BYTES
         got = measured[rank]["saved"]

@@ -2,9 +2,10 @@
 
 On the CPU, for the first and the last rank of the recipe's world (the two ends of every uneven
 split; the ranks between hold the same as one of them or less), each in a fresh process (torch
-caches meshes per process) on a fake process group (:mod:`.world`): the model is built on the meta device and parallelised by the SAME code
-the trainer runs (:func:`qwen35_trainer.parallel.parallelize`: TP, EP, AC, FSDP2 with mixed
-precision), then every byte is accounted (:mod:`.memory`) and the traffic of one step is
+caches meshes per process; :func:`rank_processes`) on a fake process group (:mod:`.world`): the
+model is built on the meta device and parallelised by the SAME code the trainer runs
+(:func:`qwen35_trainer.parallel.parallelize`: TP, EP, AC, FSDP2 with mixed precision), then
+every byte is accounted (:mod:`.memory`) and the traffic of one step is
 estimated (:func:`communication`).
 """
 
@@ -27,9 +28,17 @@ from qwen35_trainer.plan.headroom import Headroom, process_groups
 from qwen35_trainer.plan.memory import ROUTING_SKEW, Memory, Shape, memory
 from qwen35_trainer.plan.world import fake_world
 
-__all__ = ["GIB", "Plan", "communication", "plan", "row_shape"]
+__all__ = ["GIB", "Plan", "communication", "plan", "rank_processes", "row_shape"]
 
 GIB = 1 << 30
+
+# What every planned rank imports (10 s of the 15 s a small plan takes when each rank imports
+# it itself), imported once per process by the fork server (:func:`rank_processes`).
+PRELOAD = (
+    "__main__",  # the start method's own default
+    "qwen35_trainer.plan.planner",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +166,22 @@ def _rank_plan(recipe, dims: ParallelDims, rank: int):
         return mem, tuple(counts), communication(model, dims, shape)
 
 
+def rank_processes(n: int) -> ProcessPoolExecutor:
+    """A pool of ``n`` processes, each running ONE task (a planned rank) and exiting.
+
+    Each is a fresh process with no mesh built, as a rank on its own fake world needs, forked
+    from Python's fork server, which imports :data:`PRELOAD` the first time a process plans
+    (setting the server's preload list; no effect if the process's fork server already
+    runs): later plans skip the import. Where there is no fork server (Windows), each rank is
+    spawned and imports everything itself."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(PRELOAD))
+    else:
+        context = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(n, mp_context=context, max_tasks_per_child=1)
+
+
 def plan(
     recipe,
     *,
@@ -176,9 +201,7 @@ def plan(
     dims = validate_layout(recipe, world, on_this_machine=False)
     ranks = {}
     planned = sorted({0, world - 1})
-    # each rank in a fresh process of its own (max_tasks_per_child=1), the two side by side
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(len(planned), mp_context=spawn, max_tasks_per_child=1) as pool:
+    with rank_processes(len(planned)) as pool:
         futures = {rank: pool.submit(_rank_plan, recipe, dims, rank) for rank in planned}
         for rank, future in futures.items():
             ranks[rank], (total, routed, mtp), traffic = future.result()
