@@ -187,3 +187,4 @@ def test_megatron_with_cuda_and_its_package_is_refused_with_what_is_missing(monk
     (reason,) = machine_refusals(tiny("parallel.fsdp_backend=megatron").parallel, cuda=True)
     assert "not assembled into the trainer yet" in reason
     assert "wrapper module" in reason and "clips before it" in reason
+    assert "element ranges" in reason and "reset_parameters" in reason

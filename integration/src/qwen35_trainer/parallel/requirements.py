@@ -45,8 +45,11 @@ def machine_refusals(parallel: Any, *, cuda: bool | None = None) -> list[str]:
             reasons.append(
                 "parallel.fsdp_backend=megatron is not assembled into the trainer yet: "
                 "megatron-fsdp returns a wrapper module (the trainer's objective, checkpoints "
-                "and exports use the model in place) and syncs gradients inside its optimizer's "
-                "step (the trainer clips before it); use parallel.fsdp_backend=fsdp2 "
+                "and exports use the model in place), syncs gradients inside its optimizer's "
+                "step (the trainer clips before it) and shards flat buffers by element ranges "
+                "that it fills from whole parameters or each module's reset_parameters (the "
+                "trainer fills each rank's rows of the meta-built model from the name-seeded "
+                "initialisation or the checkpoint's slices); use parallel.fsdp_backend=fsdp2 "
                 "(fsdp_compat.shard_model's megatron backend, SUM reductions included, works "
                 "on its own)"
             )
