@@ -29,9 +29,8 @@ ALSO_AGAINST = {
 # The trainer's suite on two pytest-xdist workers, one test file per worker at a time (a file's
 # module-scoped gloo launches stay in one process): many of its tests run in one single-threaded
 # process, which leaves the second core idle (cold Inductor cache: 1268 s on two workers; 1425 s
-# on one, before the compiled TP layout joined). The files go out longest first, in the order
-# integration/tests/conftest.py gives them, not xdist's (most tests first).
-PYTEST_ARGS = {"qwen35-trainer": ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")}
+# on one, before the compiled TP layout joined).
+PYTEST_ARGS = {"qwen35-trainer": ("-n", "2", "--dist", "loadfile")}
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["tests", "lint"]

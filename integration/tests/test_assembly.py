@@ -20,6 +20,7 @@ from qwen35_trainer.model import kernels
 from qwen35_trainer.model.build import build_model
 from qwen35_trainer.model.kernels import resolve_kernels
 from qwen35_trainer.parallel.compile import compile_blocks
+from qwen35_trainer.parallel.dist import init_distributed
 from qwen35_trainer.parallel.requirements import machine_refusals
 from qwen35_trainer.train.console import what_runs
 
@@ -128,6 +129,18 @@ def test_layouts_this_machine_cannot_run_are_refused_before_anything_is_built(
     err = capsys.readouterr().err
     assert err.count("qwen35-train:") == 1 and message in err, err
     assert "Traceback" not in err
+
+
+def test_a_refusal_in_a_process_holding_a_one_rank_group_returns_its_code(capsys, monkeypatch):
+    """One process's training keeps its one-rank group for the life of the process
+    (:mod:`qwen35_trainer.parallel.dist`); the command run afterwards in that process, even with
+    ``WORLD_SIZE`` set, returns its code: only a member of a multi-rank group leaves through
+    ``worker_exit`` (which ends the process, here the test run)."""
+    init_distributed()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    sets = [a for o in (*ONE_PROCESS, "parallel.async_tp=true") for a in ("--set", o)]
+    assert main(["tiny", *sets]) == 2
+    assert "parallel.async_tp=true" in capsys.readouterr().err
 
 
 def test_compiled_blocks_equal_eager_in_one_process():

@@ -113,10 +113,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command; a worker of a multi-rank run leaves through :func:`~qwen35_trainer.train.launch.worker_exit`."""
+    """The command; a worker of a multi-rank run leaves through :func:`~qwen35_trainer.train.launch.worker_exit`
+    (only a member of a multi-rank group: a process holding a one-rank group, as one process's
+    training leaves it, gets the code back, even with ``WORLD_SIZE`` set)."""
     quiet_cpu_notices()
     code = _main(argv)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_initialized():
+    if (
+        int(os.environ.get("WORLD_SIZE", "1")) > 1
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    ):
         worker_exit(code, agreed=code in (0, EXIT_PREEMPTED))
     return code
 
