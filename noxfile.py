@@ -26,11 +26,14 @@ ALSO_AGAINST = {
     "fsdp-compat": [("megatron-fsdp==0.5.1", "tests/test_megatron_adapter.py")],
 }
 
-# The trainer's suite on two pytest-xdist workers, one test file per worker at a time (a file's
-# module-scoped gloo launches stay in one process): many of its tests run in one single-threaded
-# process, which leaves the second core idle (cold Inductor cache: 1268 s on two workers; 1425 s
-# on one, before the compiled TP layout joined).
-PYTEST_ARGS = {"qwen35-trainer": ("-n", "2", "--dist", "loadfile")}
+# Every suite on two pytest-xdist workers (the machines CI runs on have two cores), one test
+# file per worker at a time, so that a file's module-scoped gloo launches stay in one process.
+# Many tests run in one single-threaded process and leave the second core idle otherwise (the
+# trainer: 1268 s on two workers against 1425 s on one, cold Inductor cache).
+PYTEST_ARGS = ("-n", "2", "--dist", "loadfile")
+# Suites that hand their files out in their own order (longest first, from their
+# tests/conftest.py) rather than xdist's (most tests first).
+OWN_ORDER = {"qwen35-trainer": ("--no-loadscope-reorder",)}
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["tests", "lint"]
@@ -75,7 +78,14 @@ def tests(session: nox.Session, package: str) -> None:
     """Run one package's suite in an environment that holds only that package."""
     _sync(session, package)
     session.chdir(MEMBERS[package])
-    session.run("pytest", "tests", *PYTEST_ARGS.get(package, ()), *session.posargs, env=_test_env())
+    session.run(
+        "pytest",
+        "tests",
+        *PYTEST_ARGS,
+        *OWN_ORDER.get(package, ()),
+        *session.posargs,
+        env=_test_env(),
+    )
     for requirement, tests_path in ALSO_AGAINST.get(package, []):
         session.run_install(
             "uv",

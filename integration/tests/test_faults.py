@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from qwen35_trainer.train.run_folder import step_records
 
 BASE = [
@@ -28,17 +30,40 @@ BASE = [
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _start(out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "qwen35_trainer.cli",
-        *BASE,
-        "--set",
-        f"train.output_dir={out}",
-        *extra,
-    ]
-    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture
+def start():
+    """``start(out, *extra)`` starts a 2-worker CLI run writing to ``out``. A run still going when
+    the test ends (it failed midway) is stopped then: SIGTERM to its launcher, whose elastic
+    agent stops the workers (each in its own session), so a failure does not leave a 200-step
+    run taking the cores from the rest of the suite."""
+    started: list[subprocess.Popen] = []
+
+    def _start(out: Path, *extra: str) -> subprocess.Popen:
+        cmd = [
+            sys.executable,
+            "-m",
+            "qwen35_trainer.cli",
+            *BASE,
+            "--set",
+            f"train.output_dir={out}",
+            *extra,
+        ]
+        started.append(
+            subprocess.Popen(
+                cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+        return started[-1]
+
+    yield _start
+    for proc in started:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
 
 
 def _steps_done(out: Path) -> int:
@@ -78,9 +103,9 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def test_sigterm_to_one_worker_stops_both_with_a_checkpoint_then_resumes(tmp_path):
+def test_sigterm_to_one_worker_stops_both_with_a_checkpoint_then_resumes(start, tmp_path):
     out = tmp_path / "run"
-    proc = _start(out, "--set", "train.steps=200", "--set", "train.checkpoint_every=1000")
+    proc = start(out, "--set", "train.steps=200", "--set", "train.checkpoint_every=1000")
     _wait_for_step(out, 2, proc)
     os.kill(_worker(proc.pid, 1), signal.SIGTERM)
     _, stderr = proc.communicate(timeout=240)
@@ -89,20 +114,20 @@ def test_sigterm_to_one_worker_stops_both_with_a_checkpoint_then_resumes(tmp_pat
     assert "failed (exitcode" not in stderr and "closing signal" not in stderr  # supervisor quiet
     step = max(_losses(out))
     assert (out / "checkpoints" / f"step_{step:06d}" / ".metadata").is_file()
-    again = _start(out, "--set", f"train.steps={step + 1}", "--set", "train.checkpoint_every=1000")
+    again = start(out, "--set", f"train.steps={step + 1}", "--set", "train.checkpoint_every=1000")
     _, stderr = again.communicate(timeout=240)
     assert again.returncode == 0, stderr[-3000:]
     assert f"resumed from step {step}" in stderr
     assert max(_losses(out)) == step + 1
 
 
-def test_a_killed_worker_is_replaced_and_the_run_ends_as_if_nothing_happened(tmp_path):
+def test_a_killed_worker_is_replaced_and_the_run_ends_as_if_nothing_happened(start, tmp_path):
     steps = ["--set", "train.steps=8", "--set", "train.checkpoint_every=2"]
-    straight = _start(tmp_path / "straight", *steps)
+    straight = start(tmp_path / "straight", *steps)
     _, stderr = straight.communicate(timeout=300)
     assert straight.returncode == 0, stderr[-3000:]
     out = tmp_path / "killed"
-    proc = _start(out, *steps, "--max-restarts", "1")
+    proc = start(out, *steps, "--max-restarts", "1")
     _wait_for_step(out, 3, proc)
     os.kill(_worker(proc.pid, 1), signal.SIGKILL)
     _, stderr = proc.communicate(timeout=300)
