@@ -26,14 +26,14 @@ ALSO_AGAINST = {
     "fsdp-compat": [("megatron-fsdp==0.5.1", "tests/test_megatron_adapter.py")],
 }
 
-# Every suite on two pytest-xdist workers (the machines CI runs on have two cores), one test
-# file per worker at a time, so that a file's module-scoped gloo launches stay in one process.
-# Many tests run in one single-threaded process and leave the second core idle otherwise (the
-# trainer: 1268 s on two workers against 1425 s on one, cold Inductor cache).
-PYTEST_ARGS = ("-n", "2", "--dist", "loadfile")
-# Suites that hand their files out in their own order (longest first, from their
-# tests/conftest.py) rather than xdist's (most tests first).
-OWN_ORDER = {"qwen35-trainer": ("--no-loadscope-reorder",)}
+# The trainer's suite on two pytest-xdist workers, one test file per worker at a time (a file's
+# module-scoped gloo launches stay in one process): many of its tests run in one single-threaded
+# process, which leaves the second core idle (cold Inductor cache: 1268 s on two workers; 1425 s
+# on one, before the compiled TP layout joined). Its files go out longest first, in the order
+# integration/tests/conftest.py gives them, not xdist's (most tests first). The package suites
+# stay on one worker: their time is mostly gloo launches that keep both cores busy, and on two
+# workers they took longer (cp-varlen-attn 203 s against 162 s, chunked-loss 97 s against 92 s).
+PYTEST_ARGS = {"qwen35-trainer": ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")}
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["tests", "lint"]
@@ -61,14 +61,19 @@ def _has_group(path: Path, group: str) -> bool:
         return group in tomllib.load(f).get("dependency-groups", {})
 
 
-def _test_env() -> dict[str, str]:
+def _test_env() -> dict[str, str | None]:
     # One inductor cache shared by all sessions: the first torch.compile costs ~15 s on CPU.
     # A module FSDP2 wraps must not return a view: an error in the ranks and runs tests start
     # too (pytest's own filter, in pyproject.toml, covers only its process).
+    # Bytecode is written (PYTHONDONTWRITEBYTECODE unset, where the machine sets it): uv installs
+    # no .pyc files, and without them every process of a suite (each rank of every gloo launch,
+    # each worker, each CLI run) compiled torch's and transformers' sources again: importing the
+    # trainer took 15 s instead of 7.
     return {
         "TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".inductor-cache"),
         "OMP_NUM_THREADS": "1",
         "PYTHONWARNINGS": "error:FSDP2-wrapped module:UserWarning",
+        "PYTHONDONTWRITEBYTECODE": None,
     }
 
 
@@ -81,8 +86,7 @@ def tests(session: nox.Session, package: str) -> None:
     session.run(
         "pytest",
         "tests",
-        *PYTEST_ARGS,
-        *OWN_ORDER.get(package, ()),
+        *PYTEST_ARGS.get(package, ()),
         *session.posargs,
         env=_test_env(),
     )
