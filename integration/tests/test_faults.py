@@ -28,6 +28,9 @@ BASE = [
     "data.samples_per_rank=2",
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# the most one phase of a test may take (a start, a stop, a resumed run), so that a hang fails;
+# in CI these runs share two cores with a 4-rank launch of another file (a whole test took 293 s)
+PHASE_S = 420
 
 
 @pytest.fixture
@@ -74,7 +77,7 @@ def _steps_done(out: Path) -> int:
     return sum(line.startswith('{"step"') for line in path.read_text().splitlines())
 
 
-def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = PHASE_S) -> None:
     deadline = time.monotonic() + timeout
     while _steps_done(out) < step:
         assert proc.poll() is None, proc.communicate()
@@ -108,14 +111,14 @@ def test_sigterm_to_one_worker_stops_both_with_a_checkpoint_then_resumes(start, 
     proc = start(out, "--set", "train.steps=200", "--set", "train.checkpoint_every=1000")
     _wait_for_step(out, 2, proc)
     os.kill(_worker(proc.pid, 1), signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=240)
+    _, stderr = proc.communicate(timeout=PHASE_S)
     assert proc.returncode == 5, stderr[-3000:]
     assert "stopped on a signal after step" in stderr
     assert "failed (exitcode" not in stderr and "closing signal" not in stderr  # supervisor quiet
     step = max(_losses(out))
     assert (out / "checkpoints" / f"step_{step:06d}" / ".metadata").is_file()
     again = start(out, "--set", f"train.steps={step + 1}", "--set", "train.checkpoint_every=1000")
-    _, stderr = again.communicate(timeout=240)
+    _, stderr = again.communicate(timeout=PHASE_S)
     assert again.returncode == 0, stderr[-3000:]
     assert f"resumed from step {step}" in stderr
     assert max(_losses(out)) == step + 1
@@ -124,13 +127,13 @@ def test_sigterm_to_one_worker_stops_both_with_a_checkpoint_then_resumes(start, 
 def test_a_killed_worker_is_replaced_and_the_run_ends_as_if_nothing_happened(start, tmp_path):
     steps = ["--set", "train.steps=8", "--set", "train.checkpoint_every=2"]
     straight = start(tmp_path / "straight", *steps)
-    _, stderr = straight.communicate(timeout=300)
+    _, stderr = straight.communicate(timeout=PHASE_S)
     assert straight.returncode == 0, stderr[-3000:]
     out = tmp_path / "killed"
     proc = start(out, *steps, "--max-restarts", "1")
     _wait_for_step(out, 3, proc)
     os.kill(_worker(proc.pid, 1), signal.SIGKILL)
-    _, stderr = proc.communicate(timeout=300)
+    _, stderr = proc.communicate(timeout=PHASE_S)
     assert proc.returncode == 0, stderr[-3000:]
     assert "resumed from step" in stderr  # it really restarted
     assert _losses(out) == _losses(tmp_path / "straight")
