@@ -83,13 +83,7 @@ def tests(session: nox.Session, package: str) -> None:
     """Run one package's suite in an environment that holds only that package."""
     _sync(session, package)
     session.chdir(MEMBERS[package])
-    session.run(
-        "pytest",
-        "tests",
-        *PYTEST_ARGS.get(package, ()),
-        *session.posargs,
-        env=_test_env(),
-    )
+    session.run("pytest", "tests", *PYTEST_ARGS.get(package, ()), *session.posargs, env=_test_env())
     for requirement, tests_path in ALSO_AGAINST.get(package, []):
         session.run_install(
             "uv",

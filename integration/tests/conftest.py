@@ -7,7 +7,8 @@ next file in line once it has at most two tests left. xdist's default line is by
 tests, most first, which put the two-test torchrun fault file (about 3 min) and the other few-
 test, long files last: at the end one worker ran them while the other idled (the trainer suite
 took 1378 s on two workers for about 2200 s of tests). Longest first, the files left for the
-end are the short ones.
+end are the short ones (1026 s in CI on 2026-12-03, with bytecode written; 1316 to 1378 s in
+xdist's order without).
 """
 
 from __future__ import annotations
