@@ -4,17 +4,14 @@ rest in collection order.
 
 A worker runs a whole file (its module-scoped gloo launches stay in one process) and takes the
 next file in line once it has at most two tests left. xdist's default line is by number of
-tests, most first, which put the two-test torchrun fault file (about 3 min) and the other few-
-test, long files last: at the end one worker ran them while the other idled (the trainer suite
-took 1378 s on two workers for about 2200 s of tests). Longest first, the files left for the
-end are the short ones (1026 s in CI on 2026-12-03, with bytecode written; 1316 to 1378 s in
-xdist's order without).
+tests, most first, which put the two-test torchrun fault file and the other few-test, long files
+last: at the end one worker ran them while the other idled. Longest first, the files left for
+the end are the short ones.
 """
 
 from __future__ import annotations
 
-# summed test time per file on two workers, longest first (CI of 2026-12-03, test_plan.py's
-# after its world-4 launches became one)
+# longest first, by each file's summed test time in the CI durations of 2026-12-03
 LONGEST_FIRST = (
     "test_train_dp.py",
     "test_assembly.py",
