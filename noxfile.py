@@ -23,7 +23,9 @@ MEMBERS["qwen35-trainer"] = ROOT / "integration"
 # run (on the locked release), the listed requirement is installed over it and the listed
 # tests run again.
 ALSO_AGAINST = {
-    "fsdp-compat": [("megatron-fsdp==0.5.1", "tests/test_megatron_adapter.py")],
+    "fsdp-compat": [
+        ("megatron-fsdp==0.5.1", ("tests/test_megatron_adapter.py", "tests/test_megatron_cpu.py"))
+    ],
 }
 
 # The trainer's suite on two pytest-xdist workers, one test file per worker at a time (a file's
@@ -84,7 +86,7 @@ def tests(session: nox.Session, package: str) -> None:
     _sync(session, package)
     session.chdir(MEMBERS[package])
     session.run("pytest", "tests", *PYTEST_ARGS.get(package, ()), *session.posargs, env=_test_env())
-    for requirement, tests_path in ALSO_AGAINST.get(package, []):
+    for requirement, tests_paths in ALSO_AGAINST.get(package, []):
         session.run_install(
             "uv",
             "pip",
@@ -94,7 +96,7 @@ def tests(session: nox.Session, package: str) -> None:
             requirement,
             external=True,
         )
-        session.run("pytest", tests_path, *session.posargs, env=_test_env())
+        session.run("pytest", *tests_paths, *session.posargs, env=_test_env())
 
 
 @nox.session

@@ -112,29 +112,33 @@ def check_call_binds_real_signature() -> None:
 
 
 def check_unset_options_are_omitted() -> None:
-    mesh = make_mesh((1, 2), ("dp", "cp"))
+    mesh = make_mesh((1, 2, 1), ("dp", "cp", "tp"))
     model = TinyTransformer()
     real, kw = _call(model, mesh, shard_dims=("dp", "cp"))
-    assert set(kw) == {"module", "device_mesh", "dp_shard_dim", "fsdp_unit_modules"}, kw
+    assert set(kw) == {"module", "device_mesh", "dp_shard_dim", "tp_dim", "fsdp_unit_modules"}, kw
+    assert kw["tp_dim"] == "tp"  # the mesh's size-1 TP dim: megatron-fsdp needs one
     bound = inspect.signature(real).bind(**kw)
     bound.apply_defaults()
     assert bound.arguments["zero_dp_strategy"] == 3  # the release's own default stands
 
 
-def check_optimizer_uses_fully_shard() -> None:
-    mesh = make_mesh((2,), ("dp",))
+def check_optimizer_is_not_given_to_megatron() -> None:
+    """With an optimizer the entry point is still ``fully_shard_model``: megatron-fsdp's
+    ``fully_shard`` would regroup it and step it once (fsdp_compat.megatron_optim)."""
+    mesh = make_mesh((2, 1), ("dp", "tp"))
     model = TinyTransformer()
     optimizer = make_optimizer(model)
-    real, kw = _call(model, mesh, entry="fully_shard", optimizer=optimizer,
+    real, kw = _call(model, mesh, optimizer=optimizer,
                      unit_modules=["_models.Block"])  # a dotted class path  # fmt: skip
     inspect.signature(real).bind(**kw)
-    assert kw["optimizer"] is optimizer and kw["dp_shard_dim"] == "dp"
+    assert "optimizer" not in kw and kw["dp_shard_dim"] == "dp"
     assert kw["fsdp_unit_modules"] == [Block]
+    assert not optimizer.state
 
 
 def check_release_specific_options() -> None:
     """0.6 added ``maxpool_double_buffer``: passed through on 0.6, refused (closed) on 0.5."""
-    mesh = make_mesh((2,), ("dp",))
+    mesh = make_mesh((2, 1), ("dp", "tp"))
     if HAS_MAXPOOL:
         real, kw = _call(TinyTransformer(), mesh, maxpool_double_buffer=True)
         inspect.signature(real).bind(**kw)
@@ -155,7 +159,7 @@ def check_sum_reduction_is_per_token_loss() -> None:
     """``grad_reduction="sum"`` → ``calculate_per_token_loss=True`` (in the 0.5.1 and 0.6.1
     sources: no gradient scaling factor, so ``ReduceOp.SUM``); a release without it fails
     closed."""
-    mesh = make_mesh((2,), ("dp",))
+    mesh = make_mesh((2, 1), ("dp", "tp"))
     real, kw = _call(TinyTransformer(), mesh, grad_reduction="sum")
     inspect.signature(real).bind(**kw)
     assert kw["calculate_per_token_loss"] is True
@@ -167,22 +171,23 @@ def check_sum_reduction_is_per_token_loss() -> None:
         shard_model(TinyTransformer(), mesh, backend="megatron-fsdp", calculate_per_token_loss=True)
 
 
-def _no_units_reduction(module, device_mesh=None, dp_shard_dim=None, fsdp_unit_modules=None):
+def _no_units_reduction(module, device_mesh=None, dp_shard_dim=None, tp_dim=None,
+                        fsdp_unit_modules=None):  # fmt: skip
     """An entry point without ``calculate_per_token_loss``."""
 
 
-def _old_signature(module, device_mesh=None, dp_shard_dim=None, fsdp_unit_modules=None,
+def _old_signature(module, device_mesh=None, dp_shard_dim=None, tp_dim=None, fsdp_unit_modules=None,
                    grad_reduce_in_fp32=False, preserve_fp32_weights=True,
                    check_for_nan_in_grad=False):  # fmt: skip
     """The shape of a <= 0.3 entry point: no mixed_precision_policy, old NaN flag."""
 
 
-def _no_units(module, device_mesh=None, dp_shard_dim=None):
+def _no_units(module, device_mesh=None, dp_shard_dim=None, tp_dim=None):
     """An entry point without the unit-module argument."""
 
 
 def check_unknown_signature_fails_closed() -> None:
-    mesh = make_mesh((2,), ("dp",))
+    mesh = make_mesh((2, 1), ("dp", "tp"))
     mp = MixedPrecision(reduce_dtype=torch.float32)
     with pytest.raises(BackendSignatureError, match=rf"{VERSION}.*\['mixed_precision_policy'\]"):
         _call(TinyTransformer(), mesh, fake=_old_signature, mixed_precision=mp)
@@ -223,7 +228,7 @@ def check_tp_shape_bug_refused_before_collectives() -> None:
 CHECKS = [
     check_call_binds_real_signature,
     check_unset_options_are_omitted,
-    check_optimizer_uses_fully_shard,
+    check_optimizer_is_not_given_to_megatron,
     check_release_specific_options,
     check_unknown_signature_fails_closed,
     check_tp_shape_bug_refused_before_collectives,
@@ -294,7 +299,7 @@ def _gpu_train(port: int) -> list[tuple[float, float]]:
         torch.backends.cudnn.allow_tf32 = False
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "cp"))
+        mesh = init_device_mesh("cuda", (1, 1, 1), mesh_dim_names=("dp", "cp", "tp"))
         torch.manual_seed(0)
         model = TinyTransformer().cuda()
         reference = copy.deepcopy(model)

@@ -5,21 +5,26 @@
 - :func:`flatten_mesh` / :func:`get_mesh_dim` — mesh dims by name, flattened ones included.
 - :class:`MixedPrecision` — one mixed-precision description for both backends.
 - :func:`clip_grad_norm` — gradient clipping over parameters on several device meshes.
+- :func:`finish_grad_sync` — complete the gradients before reading them (clipping): a no-op on
+  FSDP2, megatron-fsdp's gradient sync on its wrapper.
+- :func:`full_tensor` — the whole tensor of a parameter or gradient sharded by either backend.
 - :func:`build_megatron_call` — the megatron-fsdp call as data (function, keyword arguments).
 """
 
 from fsdp_compat.clip import clip_grad_norm
+from fsdp_compat.gather import full_tensor
 from fsdp_compat.megatron import (
     BackendSignatureError,
     build_megatron_call,
     check_megatron_tp_params,
     megatron_tp_shape_bug,
 )
+from fsdp_compat.megatron_optim import finish_grad_sync
 from fsdp_compat.mesh import flatten_mesh, get_mesh_dim, mesh_dim_names_with_flattened
 from fsdp_compat.precision import MixedPrecision
 from fsdp_compat.shard import BACKENDS, GRAD_REDUCTIONS, shard_model
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "BACKENDS",
@@ -30,7 +35,9 @@ __all__ = [
     "build_megatron_call",
     "check_megatron_tp_params",
     "clip_grad_norm",
+    "finish_grad_sync",
     "flatten_mesh",
+    "full_tensor",
     "get_mesh_dim",
     "megatron_tp_shape_bug",
     "mesh_dim_names_with_flattened",

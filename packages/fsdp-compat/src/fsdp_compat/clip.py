@@ -57,12 +57,19 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> fl
         TypeError / ValueError: ``max_norm`` is not a positive number or ``None``.
     """
     _check_max_norm(max_norm)
-    grads = [p.grad for p in params if p.grad is not None]
     groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else g.device
-        groups.setdefault(key, []).append(g)
-    total_sq = sum(float(_squared_norm(group)) for group in groups.values())
+    for p in params:
+        if not p.requires_grad:
+            continue
+        # a gradient's own placements (a replicated weight's may be Partial); without one the
+        # parameter's, which megatron-fsdp's gradients share, so every rank has every group
+        t = p if p.grad is None else p.grad
+        key = (t.device_mesh, tuple(t.placements)) if isinstance(t, DTensor) else t.device
+        group = groups.setdefault(key, [])
+        if p.grad is not None:
+            group.append(p.grad)
+    grads = [g for group in groups.values() for g in group]
+    total_sq = sum(float(_squared_norm(key, group)) for key, group in groups.items())
     total = math.sqrt(total_sq)
     if max_norm is not None and math.isfinite(total):
         coef = max_norm / (total + 1e-6)
@@ -72,22 +79,23 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> fl
     return total
 
 
-def _squared_norm(group: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the squared norms of ``group`` (one mesh and placements, or plain tensors of
-    one device), the same value on every rank of the mesh."""
-    first = group[0]
-    if not isinstance(first, DTensor):
+def _squared_norm(key: object, group: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squared norms of ``group``, the gradients of the parameters of ``key``
+    (one mesh and placements, or one device for plain tensors), the same value on every rank of
+    the mesh. A rank may hold none of them (megatron-fsdp leaves ``.grad`` unset where its
+    shard is empty): it adds zero, and still joins the group's all-reduce."""
+    if not isinstance(key, tuple):
         return _local_squares(group)
-    mesh, placements = first.device_mesh, first.placements
+    mesh, placements = key
     # every dim that does not replicate: Shard, and FSDP's _StridedShard (not an is_shard())
     sharded = [i for i, p in enumerate(placements) if not p.is_replicate()]
     names = mesh.mesh_dim_names or ()
     root_names = mesh._get_root_mesh().mesh_dim_names or ()
     flattenable = len(sharded) < 2 or (names and set(names) <= set(root_names))
-    if any(p.is_partial() for p in placements) or not flattenable:
+    if group and (any(p.is_partial() for p in placements) or not flattenable):
         norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in group])
         return (torch.linalg.vector_norm(norms) ** 2).full_tensor()
-    squares = _local_squares([g.to_local() for g in group])
+    squares = _local_squares([g.to_local() for g in group], mesh.device_type)
     if len(sharded) == 1:
         dist.all_reduce(squares, group=mesh.get_group(sharded[0]))
     elif sharded:
@@ -96,6 +104,8 @@ def _squared_norm(group: list[torch.Tensor]) -> torch.Tensor:
     return squares
 
 
-def _local_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _local_squares(tensors: list[torch.Tensor], device: torch.device | None = None):
+    if not tensors:
+        return torch.zeros((), device=device)
     norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors])
     return torch.linalg.vector_norm(norms) ** 2

@@ -62,10 +62,6 @@ def fsdp2_kwargs(
     return kwargs
 
 
-def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
-
-
 def _repoint_optimizer(
     optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module
 ) -> None:
@@ -84,23 +80,13 @@ def shard_fsdp2(
     reshard_after_forward: bool | int | None,
     mixed_precision: MixedPrecision | None,
     optimizer: torch.optim.Optimizer | None,
+    names: dict[int, str] | None,
     options: dict[str, Any],
     sum_reduction: bool = False,
 ) -> nn.Module:
-    """Shard ``ep_units`` on ``ep_mesh``, then ``units`` and the root on ``shard_mesh``."""
+    """Shard ``ep_units`` on ``ep_mesh``, then ``units`` and the root on ``shard_mesh``;
+    ``optimizer`` (its parameters' names: ``names``) is re-pointed at the sharded parameters."""
     kwargs = fsdp2_kwargs(shard_mesh, reshard_after_forward, mixed_precision, options)
-    names = None
-    if optimizer is not None:
-        if optimizer.state:
-            raise ValueError(
-                "the optimizer already has state; build it (or shard the model) before the first step"
-            )
-        names = _param_names(model)
-        stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
-        if stray:
-            raise ValueError(
-                f"the optimizer holds {len(stray)} parameters that are not the model's"
-            )
     if ep_units:
         if ep_mesh is None:
             raise ValueError("EP parameters found but no mesh is left once the EP dim is removed")

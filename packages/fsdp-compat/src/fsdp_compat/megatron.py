@@ -1,12 +1,13 @@
 """The megatron-fsdp path: one adapter over the installed release's real signature.
 
-megatron-fsdp's entry points (``fully_shard_model``; ``fully_shard`` when an optimizer comes
-along) change keyword names between releases (``check_for_nan_in_grad`` became
+megatron-fsdp's entry point ``fully_shard_model`` changes keyword names between releases (``check_for_nan_in_grad`` became
 ``report_nan_in_param_grad``; 0.5 added ``fsdp_group_ag`` / ``expt_fsdp_group_ag``; 0.6 added
 ``maxpool_double_buffer``). The adapter builds its call AS DATA (:func:`build_megatron_call`
 returns the function and the keyword dict) from ``inspect.signature`` of the installed function:
 every name it needs must be there, otherwise it fails closed naming the version and the missing
-names. It never guesses an argument from a default.
+names. It never guesses an argument from a default. Its ``fully_shard(module, optimizer)`` is
+never called: it regroups the optimizer's parameters and steps it once on zero gradients
+(:mod:`fsdp_compat.megatron_optim` says why that trains differently, and wires the optimizer).
 
 Translation (ours → megatron-fsdp):
 
@@ -14,7 +15,9 @@ Translation (ours → megatron-fsdp):
   megatron-fsdp resolves it through the root's flattened meshes, and the adapter checks that the
   name resolves to the very mesh object it flattened);
 - replicate dims (HSDP) → ``dp_outer_dim`` + ``hybrid_fsdp_group`` (group of replicate×shard);
-- ``tp_dim`` → ``tp_dim``; unit modules → ``fsdp_unit_modules`` (classes);
+- ``tp_dim`` → ``tp_dim``: required, even without tensor parallelism (a dim of size 1), because
+  megatron-fsdp looks the TP mesh up for every parameter it shards;
+- unit modules → ``fsdp_unit_modules`` (classes);
 - ``reshard_after_forward`` True/False → ``zero_dp_strategy`` "optim_grads_params" (ZeRO-3:
   parameters freed after forward) / "optim_grads" (ZeRO-2: parameters kept); omitted when unset;
 - :class:`MixedPrecision` → ``mixed_precision_policy=MixedPrecisionPolicy(main_params_dtype,
@@ -40,7 +43,6 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -59,7 +61,7 @@ _LAST_KNOWN_BAD = (0, 6, 1)
 _BUG_PATTERN = re.compile(r"orig_param\.shape\[1:\]")
 _NAN_FLAGS = ("report_nan_in_param_grad", "check_for_nan_in_grad")
 _OURS = {
-    "module", "optimizer", "device_mesh", "dp_shard_dim", "dp_outer_dim", "hybrid_fsdp_group",
+    "module", "device_mesh", "dp_shard_dim", "dp_outer_dim", "hybrid_fsdp_group",
     "tp_dim", "fsdp_unit_modules", "zero_dp_strategy", "mixed_precision_policy", *_NAN_FLAGS,
     "calculate_per_token_loss",
 }  # fmt: skip
@@ -128,13 +130,11 @@ def check_megatron_tp_params(model: nn.Module) -> None:
         )
 
 
-def _entry(optimizer: object) -> Callable[..., Any]:
-    mod = _megatron()
-    name = "fully_shard" if optimizer is not None else "fully_shard_model"
-    fn = getattr(mod, name, None)
+def _entry() -> Callable[..., Any]:
+    fn = getattr(_megatron(), "fully_shard_model", None)
     if fn is None:
         raise BackendSignatureError(
-            f"megatron-fsdp {_version()} has no {name}; need 0.5.x or 0.6.x"
+            f"megatron-fsdp {_version()} has no fully_shard_model; need 0.5.x or 0.6.x"
         )
     return fn
 
@@ -156,12 +156,11 @@ def build_megatron_call(
     shard_mesh: DeviceMesh,
     replicate_mesh: DeviceMesh | None = None,
     hybrid_mesh: DeviceMesh | None = None,
-    tp_dim: str | None = None,
+    tp_dim: str,
     unit_classes: Sequence[type],
     reshard_after_forward: bool | None = None,
     mixed_precision: MixedPrecision | None = None,
     report_nan: bool | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
     sum_reduction: bool = False,
     options: dict[str, Any] | None = None,
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
@@ -171,8 +170,10 @@ def build_megatron_call(
     shard dims, the replicate dims and both together (HSDP); ``mesh`` is any mesh of their root.
     """
     options = dict(options or {})
-    fn = _entry(optimizer)
-    _require(fn, ["module", "device_mesh", "dp_shard_dim", "fsdp_unit_modules"], "sharding")
+    fn = _entry()
+    _require(
+        fn, ["module", "device_mesh", "dp_shard_dim", "tp_dim", "fsdp_unit_modules"], "sharding"
+    )
     clash = sorted(set(options) & _OURS)
     if clash:
         raise ValueError(
@@ -183,9 +184,6 @@ def build_megatron_call(
 
     root = mesh._get_root_mesh()
     kwargs: dict[str, Any] = {"module": model}
-    if optimizer is not None:
-        _require(fn, ["optimizer"], "optimizer")
-        kwargs["optimizer"] = optimizer
     (shard_name,) = shard_mesh.mesh_dim_names
     # megatron-fsdp resolves the NAME on the root; it must give back the mesh we built.
     if get_mesh_dim(root, shard_name) != shard_mesh:
@@ -195,10 +193,8 @@ def build_megatron_call(
         _require(fn, ["dp_outer_dim", "hybrid_fsdp_group"], "HSDP (replicate dims)")
         kwargs["dp_outer_dim"] = replicate_mesh.mesh_dim_names[0]
         kwargs["hybrid_fsdp_group"] = hybrid_mesh.get_group()
-    if tp_dim is not None:
-        _require(fn, ["tp_dim"], "tensor parallelism")
-        get_mesh_dim(root, tp_dim)
-        kwargs["tp_dim"] = tp_dim
+    get_mesh_dim(root, tp_dim)
+    kwargs["tp_dim"] = tp_dim
     if reshard_after_forward is not None:
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(

@@ -174,6 +174,7 @@ def _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard, mp, optimizer,
         reshard_after_forward=reshard,
         mixed_precision=mp,
         optimizer=optimizer,
+        names=_optimizer_names(model, optimizer),
         options=options,
         sum_reduction=reduction == "sum",
     )
@@ -182,10 +183,12 @@ def _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard, mp, optimizer,
 def _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard, mp, optimizer, options,
               reduction):  # fmt: skip
     from fsdp_compat.megatron import build_megatron_call, check_megatron_tp_params
+    from fsdp_compat.megatron_optim import attach_optimizer
 
     check_megatron_tp_params(model)  # before any process group is created
-    tp_dim = options.pop("tp_dim", None) or _tp_dim_from_params(model, ep_dim)
+    tp_dim = options.pop("tp_dim", None) or _megatron_tp_dim(model, mesh, ep_dim)
     report_nan = options.pop("report_nan", None)
+    names = _optimizer_names(model, optimizer)
     shard_mesh = flatten_mesh(mesh, shard)
     replicate_mesh = flatten_mesh(mesh, replicate) if replicate else None
     hybrid_mesh = flatten_mesh(mesh, replicate + shard) if replicate else None
@@ -200,9 +203,43 @@ def _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard, mp, 
         reshard_after_forward=reshard,
         mixed_precision=mp,
         report_nan=report_nan,
-        optimizer=optimizer,
         sum_reduction=reduction == "sum",
         options=options,
     )
-    result = fn(**kwargs)
-    return result[0] if optimizer is not None else result
+    wrapper = fn(**kwargs)
+    if optimizer is not None:
+        attach_optimizer(wrapper, optimizer, names)
+    return wrapper
+
+
+def _megatron_tp_dim(model: nn.Module, mesh: DeviceMesh, ep_dim: str) -> str:
+    """The TP dim megatron-fsdp is given: the TP DTensors' dim, else the mesh's ``"tp"`` dim of
+    size 1 (megatron-fsdp needs one even without TP); anything else is the caller's to name."""
+    tp_dim = _tp_dim_from_params(model, ep_dim)
+    if tp_dim is not None:
+        return tp_dim
+    root = mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    if "tp" in names and root.size(names.index("tp")) == 1:
+        return "tp"
+    raise ValueError(
+        "backend='megatron-fsdp' needs a TP dim on the mesh even without tensor parallelism "
+        "(megatron-fsdp looks the TP mesh up for every parameter it shards): give the mesh a "
+        f"dim named 'tp' of size 1 or pass tp_dim=<name>; the mesh has dims {names}"
+    )
+
+
+def _optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer | None):
+    """The names of the optimizer's parameters in ``model`` (``None`` without an optimizer);
+    ``ValueError`` if it already has state or holds a tensor that is not the model's."""
+    if optimizer is None:
+        return None
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer already has state; build it (or shard the model) before the first step"
+        )
+    names = {id(p): n for n, p in model.named_parameters()}
+    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
+    if stray:
+        raise ValueError(f"the optimizer holds {len(stray)} parameters that are not the model's")
+    return names

@@ -1,0 +1,149 @@
+"""The REAL megatron-fsdp (0.6.x from the lock; nox runs this file again with 0.5.1) trained
+through ``shard_model`` on CPU gloo ranks, against one process.
+
+megatron-fsdp creates CUDA streams unconditionally; :func:`dist_testkit.cpu_cuda_streams` gives
+it CPU stand-ins (exact on the CPU: its docstring says why), so its bucketing, element-range
+sharding, reduce-scatters and optimizer-parameter swapping all run here. What stays with the GPU
+test is megatron-fsdp's stream ordering on a real device.
+
+The parity check trains the tiny transformer for three AdamW steps with two parameter groups
+(weights decayed, the rest not, at another learning rate) and clipping, the optimizer built
+before sharding and handed to ``shard_model``; every step compares the global loss, the full
+gradients (:func:`fsdp_compat.full_tensor`), the clipped norm and the updated parameters with
+one process training the unsharded model on the same global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import Block, TinyTransformer, batches, lm_loss
+from torch.distributed.tensor import DTensor
+
+from dist_testkit import assert_close, cpu_cuda_streams, make_mesh, named_check, run_checks
+from fsdp_compat import clip_grad_norm, finish_grad_sync, full_tensor, shard_model
+
+pytest.importorskip("megatron_fsdp")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test runs it for real")
+
+STEPS, MAX_NORM = 3, 0.5
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """Two groups: matrices decayed at lr 0.05, vectors (norms, biases, gates) not, at 0.02."""
+    params = dict(model.named_parameters())
+    decayed = [n for n, p in params.items() if p.ndim >= 2]
+    rest = [n for n in params if n not in decayed]
+    return torch.optim.AdamW(
+        [
+            {"params": [params[n] for n in decayed], "weight_decay": 0.1},
+            {"params": [params[n] for n in rest], "weight_decay": 0.0, "lr": 0.02},
+        ],
+        lr=0.05,
+        foreach=False,
+    )
+
+
+def _reference(model, data):
+    """One process: per step the global loss, the gradients, the norm, the parameters after."""
+    model = copy.deepcopy(model)
+    optimizer = _adamw(model)
+    out = []
+    for step_batches in data:
+        optimizer.zero_grad()
+        loss = sum(lm_loss(model, b) for b in step_batches) / len(step_batches)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+        optimizer.step()
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append((loss.item(), grads, norm, params))
+    return out
+
+
+def _grad(p: DTensor) -> torch.Tensor:
+    """``p``'s gradient; zeros where megatron-fsdp left it unset (this rank's shard is empty)."""
+    if p.grad is not None:
+        return p.grad
+    local = p.to_local()
+    return DTensor.from_local(
+        torch.zeros_like(local), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+    )
+
+
+def check_trains_like_one_process(overlap_grad_reduce: bool) -> None:
+    """world 2 = dp 1 × cp 2 (the shard dims flattened), SUM reduction of loss shares; the
+    gradient reductions asynchronous (megatron-fsdp's default) or not. The gradients are synced
+    here to be read, and again by the optimizer's step: the second sync must change nothing."""
+    with cpu_cuda_streams():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mesh = make_mesh((1, world, 1), ("dp", "cp", "tp"))
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        data = batches(world, STEPS)
+        reference = _reference(model, data)
+        optimizer = _adamw(model)
+        sharded = shard_model(model, mesh, backend="megatron-fsdp", shard_dims=("dp", "cp"),
+                              unit_modules=[Block], optimizer=optimizer, grad_reduction="sum",
+                              device=torch.device("cpu"),
+                              overlap_grad_reduce=overlap_grad_reduce)  # fmt: skip
+        for step, (ref_loss, ref_grads, ref_norm, ref_params) in enumerate(reference):
+            optimizer.zero_grad()
+            share = lm_loss(sharded, data[step][rank]) / world
+            share.backward()
+            finish_grad_sync(sharded)
+            loss = share.detach().clone()
+            dist.all_reduce(loss)
+            assert_close(loss, torch.tensor(ref_loss), name=f"step {step} loss")
+            named = dict(sharded.module.named_parameters())
+            assert named.keys() == ref_grads.keys()
+            for name, p in named.items():
+                assert isinstance(p, DTensor), (name, type(p))
+                assert_close(
+                    full_tensor(_grad(p)), ref_grads[name], name=f"step {step} {name}.grad"
+                )
+            norm = clip_grad_norm(sharded.parameters(), MAX_NORM)
+            assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)
+            optimizer.step()
+            for name, p in sharded.module.named_parameters():
+                assert_close(full_tensor(p), ref_params[name], rtol=1e-4, atol=1e-6,
+                             name=f"step {step} {name}")  # fmt: skip
+
+
+def check_full_tensor_of_fsdp2_shards() -> None:
+    """The same gather on FSDP2's ``torch.chunk`` shards (an empty one included)."""
+    mesh = make_mesh((dist.get_world_size(),), ("dp",))
+    torch.manual_seed(1)
+    model = TinyTransformer()
+    whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+    shard_model(model, mesh)
+    for name, p in model.named_parameters():
+        assert_close(full_tensor(p), whole[name], rtol=0, atol=0, name=name)
+    assert model.blocks[0].gate.to_local().numel() in (0, 1)  # one element over two ranks
+
+
+def check_needs_a_tp_dim() -> None:
+    mesh = make_mesh((dist.get_world_size(),), ("dp",))
+    with pytest.raises(ValueError, match=r"needs a TP dim.*size 1.*\('dp',\)"):
+        shard_model(TinyTransformer(), mesh, backend="megatron-fsdp")
+
+
+CHECKS = [
+    check_needs_a_tp_dim,
+    check_full_tensor_of_fsdp2_shards,
+    named_check("trains_like_one_process", check_trains_like_one_process, True),
+    named_check("trains_like_one_process_sync_reduce", check_trains_like_one_process, False),
+]
+
+
+@pytest.fixture(scope="module")
+def report():
+    return run_checks(CHECKS, 2, timeout=180)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_megatron_on_cpu_ranks(report, check):
+    report.assert_passed(check)
