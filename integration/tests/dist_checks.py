@@ -9,7 +9,8 @@ from pathlib import Path
 import torch.distributed as dist
 from helpers import TINY, demo_recipe, tiny
 
-from dist_testkit import assert_close, full
+from dist_testkit import assert_close, cpu_cuda_streams
+from fsdp_compat import full_tensor
 from qwen35_trainer import load_recipe, train
 from qwen35_trainer.train.run_folder import step_records
 
@@ -64,7 +65,7 @@ def assert_same_run(
     lr = layout_recipe(1).train.lr
     assert list(state) == list(reference_state)
     for name, value in state.items():
-        ours, ref = full(value).float(), reference_state[name]
+        ours, ref = full_tensor(value).float(), reference_state[name]
         if param_norm_rel is None:
             assert_close(ours, ref, rtol=param_rtol, atol=1e-3 * lr, name=name)
         else:  # per tensor, Frobenius: |ours - ref| <= rel * (|ref| + |one Adam step|)
@@ -80,6 +81,17 @@ def check_training_equals_one_process(
     result = train(layout_recipe(dist.get_world_size(), *overrides))
     state = result.objective.model.state_dict()
     assert_same_run(result.logs, reference_logs, state, reference_state, **(compare or {}))
+
+
+def check_megatron_equals_one_process(
+    overrides, reference_logs, reference_state, compare=None
+) -> None:
+    """:func:`check_training_equals_one_process` with ``parallel.fsdp_backend=megatron``: the
+    real megatron-fsdp on these CPU ranks (:func:`dist_testkit.cpu_cuda_streams`)."""
+    with cpu_cuda_streams():
+        check_training_equals_one_process(
+            ("parallel.fsdp_backend=megatron", *overrides), reference_logs, reference_state, compare
+        )
 
 
 def check_resume_equals_uninterrupted(overrides, path, reference_logs, reference_state) -> None:
@@ -146,7 +158,7 @@ def check_materialized_weights(overrides, expected) -> None:
         names = []
         for name, _, _, param in named_parameters(model):
             names.append(name)
-            assert torch.equal(full(param).detach(), state[name]), (weights, name)
+            assert torch.equal(full_tensor(param).detach(), state[name]), (weights, name)
         assert sorted(names) == sorted(state), weights
 
 

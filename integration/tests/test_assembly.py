@@ -21,7 +21,9 @@ from qwen35_trainer.model.build import build_model
 from qwen35_trainer.model.kernels import resolve_kernels
 from qwen35_trainer.parallel.compile import compile_blocks
 from qwen35_trainer.parallel.dist import init_distributed
+from qwen35_trainer.parallel.megatron import megatron_refusals
 from qwen35_trainer.parallel.requirements import machine_refusals
+from qwen35_trainer.plan import plan
 from qwen35_trainer.train.console import what_runs
 
 
@@ -188,16 +190,26 @@ def test_compiling_refuses_transformers_own_checkpointing():
         compile_blocks(model)
 
 
-def test_megatron_with_cuda_and_its_package_is_refused_with_what_is_missing(monkeypatch):
-    """Where CUDA and megatron-fsdp are both present the backend is still refused, saying which
-    part of the trainer does not take it yet (not a bare "unsupported")."""
+def test_megatron_with_cuda_and_its_package_runs_what_it_is_proven_on(monkeypatch):
+    """Where CUDA and megatron-fsdp are both present the machine refuses nothing; what the
+    parity tests do not train on megatron-fsdp is refused, each with its reason, in one
+    message (test_train_dp.py trains the rest on CPU ranks)."""
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
         lambda name, *a: object() if name == "megatron_fsdp" else real_find_spec(name, *a),
     )
-    (reason,) = machine_refusals(tiny("parallel.fsdp_backend=megatron").parallel, cuda=True)
-    assert "not assembled into the trainer yet" in reason
-    assert "wrapper module" in reason and "clips before it" in reason
-    assert "element ranges" in reason and "reset_parameters" in reason
+    megatron = ("parallel.fsdp_backend=megatron",)
+    assert machine_refusals(tiny(*megatron).parallel, cuda=True) == []
+    assert megatron_refusals(tiny(*megatron)) == []
+    unproven = ("parallel.dp_replicate=2", "parallel.dp=2", "train.dtype=bfloat16")
+    unproven += ("train.compile=true", "train.checkpoint_dir=/tmp/x")
+    refused = megatron_refusals(tiny(*megatron, *unproven))
+    assert len(refused) == 4, refused
+    for reason, what in zip(
+        refused, ("dp_replicate > 1", "bf16", "train.compile=true", "DCP checkpoints"), strict=True
+    ):
+        assert what in reason and reason.endswith("use parallel.fsdp_backend=fsdp2"), reason
+    with pytest.raises(ValueError, match=r"the planner plans parallel\.fsdp_backend=fsdp2"):
+        plan(tiny(*megatron))

@@ -1,7 +1,8 @@
 """The assembled trainer on GPUs (``nox -s gpu`` on a lent device; skipped without CUDA): the
-kernel report names the fast kernels the ``gpu`` extra brings, and async TP (2 GPUs: TP 2 with
+kernel report names the fast kernels the ``gpu`` extra brings, async TP (2 GPUs: TP 2 with
 sequence parallelism, compiled blocks) fuses its collectives into the matmuls and trains the same
-losses as async TP off."""
+losses as async TP off, and megatron-fsdp (2 GPUs: real CUDA streams and NCCL, which the CPU
+parity tests stand in for) trains the same step as FSDP2."""
 
 from __future__ import annotations
 
@@ -63,3 +64,15 @@ def test_async_tp_fuses_the_collectives_and_trains_as_async_tp_off(tmp_path):
     assert "fused_all_gather_matmul" in printed, "no all-gather -> matmul fusion"
     assert "fused_matmul_reduce_scatter" in printed, "no matmul -> reduce-scatter fusion"
     assert on == pytest.approx(off, rel=1e-3)
+
+
+@two_gpus
+def test_megatron_fsdp_trains_as_fsdp2(tmp_path):
+    """DP 2 in fp32 on megatron-fsdp and on FSDP2: the same logged losses."""
+    layout = ("parallel.tp=1", "parallel.dp=2", "train.dtype=float32", "train.checkpoint_every=0")
+    fsdp2, _ = _two_rank_run(tmp_path / "fsdp2", *layout)
+    megatron, printed = _two_rank_run(
+        tmp_path / "megatron", *layout, "parallel.fsdp_backend=megatron"
+    )
+    assert "megatron-fsdp" in printed
+    assert megatron == pytest.approx(fsdp2, rel=1e-4)

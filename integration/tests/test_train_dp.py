@@ -31,6 +31,7 @@ from dist_checks import (
     FIELDS,
     STEPS,
     assert_same_run,
+    check_megatron_equals_one_process,
     check_resume_equals_uninterrupted,
     check_resume_skips_a_damaged_checkpoint,
     check_runs_repeat,
@@ -255,12 +256,48 @@ LAYOUTS = {
     ),
 }
 
+# parallel.fsdp_backend=megatron (every "megatron*" layout; the real megatron-fsdp on the CPU
+# ranks, dist_testkit.cpu_cuda_streams): data parallel with a held-out evaluation after every
+# step (its forward puts the compute parameters in place) and the export read back below; CP 2
+# with checkpointing and the MTP head; DP 2 x CP 2 with accumulation
+LAYOUTS |= {
+    "megatron_fsdp": (
+        ("train.eval_every=1", "train.export_dir={megatron_export}"),
+        "eval",
+        (2, 4),
+    ),
+    "megatron_cp2_ac": (
+        (
+            "parallel.dp=1",
+            "parallel.cp=2",
+            "data.samples_per_rank=4",
+            "train.activation_checkpointing=true",
+            *MTP_ON,
+        ),
+        "mtp",
+        (2,),
+    ),
+    "megatron_dp2_cp2_accum": (
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            "data.samples_per_rank=2",
+            "data.packing=true",
+            "train.grad_accum_steps=2",
+            "train.router_aux_loss_coef=0",
+        ),
+        "no_aux",
+        (4,),
+    ),
+}
+
 VARIANTS = {
     "base": (),
     "no_aux": ("train.router_aux_loss_coef=0",),
     "text_only": ("data.text_only=[4, 2]",),
     "mtp": MTP_ON,
     "mtp_bf16": (*MTP_ON, "train.dtype=bfloat16"),
+    "eval": ("train.eval_every=1",),
 }
 # bf16 rounds every matmul input to 8 mantissa bits and the ranks add partial results in another
 # order than one process, so the runs agree to bf16 resolution (2^-8 = 0.4 % per rounding), not
@@ -273,6 +310,7 @@ COMPARE = {
     "no_aux": {"fields": ("loss", "ce", "grad_norm")},
     "mtp": {"fields": (*FIELDS, "mtp_loss")},
     "mtp_bf16": {**BF16_COMPARE, "fields": (*FIELDS, "mtp_loss")},
+    "eval": {"fields": (*FIELDS, "eval_loss", "eval_accuracy")},
 }
 
 
@@ -298,17 +336,21 @@ def reference(references):
 def launch(request, references, tmp_path_factory):
     world = request.param
     exported = tmp_path_factory.mktemp(f"export_world{world}")
+    megatron_exported = tmp_path_factory.mktemp(f"megatron_export_world{world}")
     fill = {
         "world": world,
         "half": world // 2,
         "rows": 8 // world,
         "export": exported,
+        "megatron_export": megatron_exported,
         "ac": str(world == 4).lower(),
     }
     checks = {
         name: named_check(
             f"{name}@{world}",
-            check_training_equals_one_process,
+            check_megatron_equals_one_process
+            if name.startswith("megatron")
+            else check_training_equals_one_process,
             tuple(o.format(**fill) for o in overrides),
             *references[variant],
             COMPARE.get(variant),
@@ -343,7 +385,8 @@ def launch(request, references, tmp_path_factory):
             checks[name] = named_check(
                 name, check_runs_repeat, str(tmp_path_factory.mktemp(name)), overrides
             )
-    return checks, run_checks(list(checks.values()), world, timeout=900), saved, exported
+    report = run_checks(list(checks.values()), world, timeout=900)
+    return checks, report, saved, (exported, megatron_exported)
 
 
 # train.deterministic: the tiny recipe as it is, run twice, and again with activation
@@ -374,11 +417,14 @@ def test_checkpoint_of_a_sharded_run_resumes_in_one_process(launch, reference, t
     assert_same_run(result.logs, reference[0][1:], state, reference[1])
 
 
-def test_export_of_a_sharded_run_loads_in_transformers(launch, reference):
-    """The EP 2 + FSDP2 layout exported its trained model (gathered, written by rank 0):
-    transformers' own class loads it, and the weights are the one-process run's."""
-    checks, report, _, exported = launch
-    report.assert_passed(checks["ep2"])
+@pytest.mark.parametrize("layout", ["ep2", "megatron_fsdp"])
+def test_export_of_a_sharded_run_loads_in_transformers(launch, reference, layout):
+    """The EP 2 + FSDP2 layout and the megatron-fsdp one exported their trained model (each
+    rank gathering the tensors it writes): transformers' own class loads it, and the weights
+    are the one-process run's."""
+    checks, report, _, (fsdp2_export, megatron_export) = launch
+    report.assert_passed(checks[layout])
+    exported = megatron_export if layout == "megatron_fsdp" else fsdp2_export
     loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(exported)
     state = loaded.state_dict()
     lr = layout_recipe(1).train.lr

@@ -20,7 +20,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from _models import Block, TinyTransformer, batches, lm_loss
+from _models import Block, MoEBlock, MoEModel, TinyTransformer, batches, lm_loss
 from torch.distributed.tensor import DTensor
 
 from dist_testkit import assert_close, cpu_cuda_streams, make_mesh, named_check, run_checks
@@ -74,20 +74,22 @@ def _grad(p: DTensor) -> torch.Tensor:
     )
 
 
-def check_trains_like_one_process(overlap_grad_reduce: bool) -> None:
+def check_trains_like_one_process(overlap_grad_reduce: bool, moe: bool = False) -> None:
     """world 2 = dp 1 × cp 2 (the shard dims flattened), SUM reduction of loss shares; the
     gradient reductions asynchronous (megatron-fsdp's default) or not. The gradients are synced
-    here to be read, and again by the optimizer's step: the second sync must change nothing."""
+    here to be read, and again by the optimizer's step: the second sync must change nothing.
+    ``moe``: a model with experts (no EP), whose ``*.experts.*`` parameters megatron-fsdp shards
+    over its expert mesh."""
     with cpu_cuda_streams():
         world, rank = dist.get_world_size(), dist.get_rank()
         mesh = make_mesh((1, world, 1), ("dp", "cp", "tp"))
         torch.manual_seed(0)
-        model = TinyTransformer()
+        model = MoEModel() if moe else TinyTransformer()
         data = batches(world, STEPS)
         reference = _reference(model, data)
         optimizer = _adamw(model)
         sharded = shard_model(model, mesh, backend="megatron-fsdp", shard_dims=("dp", "cp"),
-                              unit_modules=[Block], optimizer=optimizer, grad_reduction="sum",
+                              unit_modules=[MoEBlock if moe else Block], optimizer=optimizer, grad_reduction="sum",
                               device=torch.device("cpu"),
                               overlap_grad_reduce=overlap_grad_reduce)  # fmt: skip
         for step, (ref_loss, ref_grads, ref_norm, ref_params) in enumerate(reference):
@@ -136,6 +138,7 @@ CHECKS = [
     check_full_tensor_of_fsdp2_shards,
     named_check("trains_like_one_process", check_trains_like_one_process, True),
     named_check("trains_like_one_process_sync_reduce", check_trains_like_one_process, False),
+    named_check("moe_trains_like_one_process", check_trains_like_one_process, True, moe=True),
 ]
 
 

@@ -4,7 +4,8 @@ Every rank computes the same plan from the parameters' names and full shapes alo
 are dealt in module order to the rank with the fewest bytes so far, and each rank's tensors
 are cut into files of at most ``max_file_bytes``; the files are numbered
 ``model-00001-of-000NN.safetensors`` across all ranks. Then, tensor by tensor and in the same
-order on every rank, a sharded parameter is reassembled (``full_tensor``: one tensor at a
+order on every rank, a sharded parameter is reassembled (:func:`fsdp_compat.full_tensor`,
+right for FSDP2's and megatron-fsdp's shards alike: one tensor at a
 time, so memory is bounded by one tensor plus the file being filled) and kept only by its
 owner, which writes each of its files as soon as it is full. Rank 0 writes the index
 (``model.safetensors.index.json``) and ``config.json``. The tensors keep their runtime names
@@ -24,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from fsdp_compat import full_tensor
 from qwen35_trainer.model.adapter import on_disk
 from qwen35_trainer.model.params import named_parameters
 
@@ -84,7 +85,7 @@ def export_hf(model: nn.Module, path: str | Path, *, max_file_bytes: int = MAX_F
     pending: dict[str, torch.Tensor] = {}
     current = None
     for (_, param), tensors in zip(params, written, strict=True):
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+        full = full_tensor(param)
         for disk, _, take in tensors:
             owner, number = next(places)
             if owner != rank:

@@ -27,8 +27,7 @@ The model and the loss run in ONE ``forward`` so that FSDP's root-unit hooks als
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -46,11 +45,14 @@ from qwen35_trainer.parallel.sequence_parallel import SequenceParallelGrads
 __all__ = ["LossShares", "RouterLogits", "TrainingObjective", "shifted_labels"]
 
 
-@dataclasses.dataclass
-class LossShares:
+class LossShares(NamedTuple):
     """This rank's shares (fp32): the step's loss is ``ce + aux_coef * aux + mtp_weight *
     mean(mtp)`` summed over ranks (:func:`qwen35_trainer.train.step.total_loss`; ``mtp``: each
-    depth's MTP cross-entropy share, [D]; ``None`` without the head)."""
+    depth's MTP cross-entropy share, [D]; ``None`` without the head).
+
+    A tuple, so that a sharding backend's hooks on the objective's output find its tensors:
+    megatron-fsdp starts its backward bookkeeping (which parameters' gradients a backward
+    reduces) from a hook on a module's output tensors, and it looks inside tuples only."""
 
     ce: torch.Tensor
     aux: torch.Tensor
@@ -122,6 +124,9 @@ class TrainingObjective(nn.Module):
         # under sequence parallelism: the gradients the step sums over TP (set by
         # qwen35_trainer.parallel.apply_parallelism)
         self.sequence_parallel: SequenceParallelGrads | None = None
+        # under parallel.fsdp_backend=megatron: megatron-fsdp's wrapper around this objective
+        # (set by qwen35_trainer.parallel.megatron.shard_megatron)
+        self.megatron: nn.Module | None = None
 
     def forward(
         self,
@@ -191,7 +196,7 @@ class TrainingObjective(nn.Module):
                 labels_BS,
                 self.loss_chunk_size or ACCURACY_CHUNK,
             )
-        shares = LossShares(ce=ce, aux=aux, tokens=num_valid_tokens, correct=correct)
+        mtp = None
         if self.mtp_depth:
             mtp = mtp_shares(
                 self.model.mtp,
@@ -206,8 +211,14 @@ class TrainingObjective(nn.Module):
                 chunk_size=self.loss_chunk_size,
                 accuracy_chunk=(self.loss_chunk_size or ACCURACY_CHUNK) if accuracy else None,
             )
-            shares.mtp, shares.mtp_correct = mtp.ce, mtp.correct
-        return shares
+        return LossShares(
+            ce=ce,
+            aux=aux,
+            tokens=num_valid_tokens,
+            correct=correct,
+            mtp=None if mtp is None else mtp.ce,
+            mtp_correct=None if mtp is None else mtp.correct,
+        )
 
 
 def count_valid_labels(labels: torch.Tensor, group: Any = None) -> int:

@@ -22,11 +22,14 @@ def build_training_model(
     recipe's meshes (:func:`qwen35_trainer.parallel.parallelize`; ``dims``: the layout when
     already validated) and — unless ``materialize`` is false (the planner) — this rank's
     shards allocated on ``device`` and filled: name-seeded, or read from ``model.path`` /
-    ``model.weights``. Every rank of the default process group calls it."""
+    ``model.weights`` (megatron-fsdp: the whole model filled before it is sharded,
+    :mod:`qwen35_trainer.parallel.megatron`). Every rank of the default process group calls
+    it."""
     model = build.build_meta_model(recipe.model, packing=recipe.data.packing)
     objective = TrainingObjective(model, loss_chunk_size=recipe.train.loss_chunk_size)
-    layout = parallelize(objective, recipe, device, dims=dims)
-    if materialize:
+    filled = []
+
+    def fill() -> None:
         build.materialize(
             model,
             device,
@@ -34,4 +37,12 @@ def build_training_model(
             weights=recipe.model.weights_dir,
             init_missing_mtp=recipe.model.init_missing_mtp,
         )
+        filled.append(True)
+
+    # FSDP2 shards the meta model and each rank fills its shards; megatron-fsdp fills first
+    layout = parallelize(
+        objective, recipe, device, dims=dims, materialize=fill if materialize else None
+    )
+    if materialize and not filled:
+        fill()
     return objective, layout

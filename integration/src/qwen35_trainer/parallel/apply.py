@@ -23,7 +23,10 @@ the same program as every layout) and applies, in place:
 - activation checkpointing of decoder and vision blocks;
 - FSDP2 (:func:`fsdp_compat.shard_model`): dense parameters sharded over ``dp_shard × cp`` and
   replicated over ``dp_replicate`` (HSDP), experts over the expert mesh's ``efsdp`` (and
-  ``dp_replicate``), the units being the decoder layers and vision blocks, named explicitly.
+  ``dp_replicate``), the units being the decoder layers and vision blocks, named explicitly;
+  or, with ``parallel.fsdp_backend: megatron``, megatron-fsdp over ``dp_shard × cp`` with the
+  same units and SUM reductions, on the model materialised whole first
+  (:mod:`qwen35_trainer.parallel.megatron`: what differs and how the step stays the same).
 
 The gradient rule (the one scaling in the trainer): each rank's loss is its SHARE of the global
 batch's loss (:mod:`qwen35_trainer.model.objective`) and every gradient reduction is a SUM
@@ -59,6 +62,7 @@ are summed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,6 +77,7 @@ from moe_parallel import (
 from qwen35_trainer.parallel.compile import compile_blocks
 from qwen35_trainer.parallel.dims import MeshAxis, Meshes, ParallelDims
 from qwen35_trainer.parallel.dist import init_distributed, world
+from qwen35_trainer.parallel.megatron import megatron_refusals, shard_megatron
 from qwen35_trainer.parallel.requirements import machine_refusals
 from qwen35_trainer.parallel.sequence_parallel import (
     SequenceParallelGrads,
@@ -165,6 +170,7 @@ def validate_layout(recipe: Any, world_size: int, *, on_this_machine: bool = Tru
             f"parallelism (8 and cp x tp = {parallel.cp * parallel.tp}: every CP rank's tokens "
             "split over the TP ranks in equal slices)"
         )
+    reasons += megatron_refusals(recipe)
     if on_this_machine:
         reasons += machine_refusals(parallel)
     if reasons:
@@ -178,11 +184,13 @@ def parallelize(
     device: torch.device,
     *,
     dims: ParallelDims | None = None,
+    materialize: Callable[[], None] | None = None,
 ) -> Layout:
     """Build the meshes of ``recipe``'s layout on the default process group (``dims``: the
     layout when already validated) and apply TP, EP, activation checkpointing and FSDP2 (bf16
     compute with ``train.dtype: bfloat16``) to ``objective`` in place; this rank's
-    :class:`Layout`."""
+    :class:`Layout`. ``materialize``: fills the model whole; megatron-fsdp
+    (``parallel.fsdp_backend: megatron``) needs it called before it shards."""
     init_distributed()  # one process without a group: its one-rank group (see .dist)
     dims = dims or validate_layout(recipe, world())
     meshes = dims.build(device.type)
@@ -197,6 +205,9 @@ def parallelize(
         # builds GPU layouts on a fake world, where the TP linears are the same parameters)
         async_tp=recipe.parallel.async_tp and device.type == "cuda",
         compile_blocks_too=recipe.train.compile,
+        fsdp_backend=recipe.parallel.fsdp_backend,
+        materialize=materialize,
+        device=device,
     )
     return Layout.from_meshes(meshes)
 
@@ -234,9 +245,13 @@ def apply_parallelism(
     sequence_parallel: bool = False,
     async_tp: bool = False,
     compile_blocks_too: bool = False,
+    fsdp_backend: str = "fsdp2",
+    materialize: Callable[[], None] | None = None,
+    device: torch.device | None = None,
 ) -> None:
-    """TP (``sequence_parallel``: with SP), EP, activation checkpointing, then FSDP2, in place,
-    on ``meshes``.
+    """TP (``sequence_parallel``: with SP), EP, activation checkpointing, then FSDP2 (or
+    megatron-fsdp, ``fsdp_backend="megatron"``: after ``materialize()``, on ``device``), in
+    place, on ``meshes``.
 
     ``param_dtype``: FSDP2's compute dtype (bf16), with fp32 sharded (master) parameters and
     fp32 gradient reduction; ``None`` computes in the parameters' dtype."""
@@ -265,6 +280,14 @@ def apply_parallelism(
         apply_sequence_parallel(model, meshes.tp.get_group())
         objective.router.sequence_group = meshes.tp.get_group()
         objective.router.aux_group = meshes.routing.get_group()
+    if fsdp_backend == "megatron":  # validate_layout refused what it does not run
+        if materialize is None:
+            raise ValueError(
+                "parallel.fsdp_backend=megatron shards a materialised model: the planner and "
+                "other meta-only builds plan FSDP2 (parallel.fsdp_backend=fsdp2)"
+            )
+        shard_megatron(objective, meshes, device, FSDP_UNITS, materialize)
+        return
     mp = None
     if param_dtype is not None:
         mp = MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32)

@@ -195,6 +195,12 @@ def plan(
     beyond the counted tensors (default: :class:`Headroom`'s)."""
 
     p = recipe.parallel
+    if p.fsdp_backend == "megatron":
+        raise ValueError(
+            "the planner plans parallel.fsdp_backend=fsdp2: megatron-fsdp materialises the "
+            "whole model on every rank before sharding it (qwen35_trainer.parallel.megatron), "
+            "which the planner's meta-device build does not do; plan the same layout with fsdp2"
+        )
     world = world_size or p.world
     if world != p.world:
         recipe = dataclasses.replace(recipe, parallel=p.filling(world, "--world-size"))

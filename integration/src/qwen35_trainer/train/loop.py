@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fsdp_compat import full_tensor
 from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.model import build_training_model, export_hf
 from qwen35_trainer.model.flops import peak_flops
@@ -47,6 +48,7 @@ from qwen35_trainer.model.objective import TrainingObjective
 from qwen35_trainer.parallel import Layout, ParallelDims, validate_layout
 from qwen35_trainer.parallel.dist import device as this_device
 from qwen35_trainer.parallel.dist import init_distributed, rank, world
+from qwen35_trainer.parallel.megatron import place_distributed, wire_optimizer
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.train.checkpoint import (
     AsyncCheckpointer,
@@ -86,8 +88,7 @@ class TrainResult:
         """The trained model's state as plain, whole tensors (each DTensor shard gathered; under
         a launch every rank must call it), in transformers' names."""
         return {
-            name: value.full_tensor() if hasattr(value, "full_tensor") else value
-            for name, value in self.objective.model.state_dict().items()
+            name: full_tensor(value) for name, value in self.objective.model.state_dict().items()
         }
 
 
@@ -146,6 +147,7 @@ def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
         eps=training.eps,
         weight_decay=training.weight_decay,
     )
+    wire_optimizer(objective, optimizer)  # megatron-fsdp: its sync and weight install
     coef = training.router_aux_loss_coef
     coef = model.config.text_config.router_aux_loss_coef if coef is None else coef
     mtp_weight = training.mtp_loss_weight if objective.mtp_depth else 0.0
@@ -206,6 +208,7 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
     finally:
         if folder is not None:
             folder.close()
+    place_distributed(objective)  # megatron-fsdp after an evaluation: the trained shards
     if training.export_dir:
         export_hf(objective.model, training.export_dir)
     return TrainResult(logs, objective, optimizer)

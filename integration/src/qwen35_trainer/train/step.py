@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fsdp_compat import clip_grad_norm
+from fsdp_compat import clip_grad_norm, finish_grad_sync
 from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.model.flops import training_flops
 from qwen35_trainer.model.mtp import document_ids, mtp_targets
@@ -133,6 +133,8 @@ def train_step(
             mtp = mtp + shares.mtp.detach()
         counts = objective.router.tokens_per_expert()
         load = counts if load is None else load + counts
+    # megatron-fsdp: the reduced gradients reach the parameters only here (FSDP2: no-op)
+    finish_grad_sync(objective.megatron or objective)
     # under SP the whole parameters of the SP regions saw 1/tp of the tokens: sum over TP
     sum_sequence_parallel_grads(objective.sequence_parallel)
     if before_clip is not None:

@@ -192,6 +192,12 @@ def _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard, mp, 
     shard_mesh = flatten_mesh(mesh, shard)
     replicate_mesh = flatten_mesh(mesh, replicate) if replicate else None
     hybrid_mesh = flatten_mesh(mesh, replicate + shard) if replicate else None
+    if _megatron_experts_without_ep(model, ep_dim) and "expt_device_mesh" not in options:
+        # megatron-fsdp takes every parameter named "*.experts.*" for an expert parameter and
+        # shards it over its expert mesh; not EP-split, they shard like the dense ones
+        options["expt_device_mesh"] = mesh._get_root_mesh()
+        if hybrid_mesh is not None:
+            options.setdefault("hybrid_fsdp_expt_group", hybrid_mesh.get_group())
     fn, kwargs = build_megatron_call(
         model,
         mesh,
@@ -210,6 +216,15 @@ def _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard, mp, 
     if optimizer is not None:
         attach_optimizer(wrapper, optimizer, names)
     return wrapper
+
+
+def _megatron_experts_without_ep(model: nn.Module, ep_dim: str) -> bool:
+    """Whether ``model`` has parameters megatron-fsdp calls expert parameters (``.experts.`` in
+    the name) and none of them is EP-sharded (a DTensor on a mesh with ``ep_dim``)."""
+    experts = [p for n, p in model.named_parameters() if ".experts." in f".{n}"]
+    return bool(experts) and not any(
+        isinstance(p, DTensor) and ep_dim in (p.device_mesh.mesh_dim_names or ()) for p in experts
+    )
 
 
 def _megatron_tp_dim(model: nn.Module, mesh: DeviceMesh, ep_dim: str) -> str:
