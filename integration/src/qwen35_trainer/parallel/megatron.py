@@ -20,8 +20,14 @@ difference is met:
   gradient sync. Its wrapper's ``forward`` makes the first swap; the trainer calls the
   objective itself (step, evaluation), so a forward pre-hook on the objective makes the same
   swap. :func:`place_distributed` makes the second before the weights are read (export).
+- **The backward's bookkeeping** (which gradients a backward reduces) starts from a hook
+  megatron-fsdp attaches to the output tensors of the modules holding every parameter, found
+  in Tensor / tuple / list outputs only: the objective returns a ``NamedTuple``
+  (:class:`~qwen35_trainer.model.objective.LossShares`; with a dataclass, two micro-batches per
+  step gave gradients 30-70x off).
 - **Gradients** reach the distributed parameters in ``finish_grad_sync``
-  (:func:`fsdp_compat.finish_grad_sync`), which the step calls before clipping; the optimizer
+  (:func:`fsdp_compat.finish_grad_sync`), which the step calls once, before clipping (not
+  megatron-fsdp after every micro-batch: ``sync_model_each_microbatch=False``); the optimizer
   is built on the distributed parameters and wired by
   :func:`fsdp_compat.megatron_optim.attach_optimizer` (its groups kept, sync before and weight
   install after ``step``, the gradient buffer zeroed with ``zero_grad``).
@@ -44,9 +50,10 @@ __all__ = ["megatron_refusals", "place_distributed", "shard_megatron", "wire_opt
 def megatron_refusals(recipe) -> list[str]:
     """Why ``recipe`` cannot train with ``parallel.fsdp_backend: megatron`` (empty: it can, or
     it uses FSDP2). What is refused is what the parity tests do not train on megatron-fsdp."""
-    p, t = recipe.parallel, recipe.train
+    p = recipe.parallel
     if p.fsdp_backend != "megatron":
         return []
+    t = recipe.train
     use = "; use parallel.fsdp_backend=fsdp2"
     reasons = []
     if p.ep > 1 or p.tp > 1:
