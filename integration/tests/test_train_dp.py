@@ -19,8 +19,8 @@ step (DCP checkpoint, written synchronously or in the background) and started ag
 exactly, under the same layout and in one process; with the newest checkpoint damaged in one
 rank's file, every rank falls back to the one before it. megatron-fsdp
 (``parallel.fsdp_backend=megatron``, the real package on these CPU ranks under
-``dist_testkit.cpu_cuda_streams``): DP 2 with evaluation and export, CP 2 with checkpointing and
-the MTP head, DP 2 x CP 2 with accumulation.
+``dist_testkit.cpu_cuda_streams``): DP 2 with accumulation, evaluation and export, CP 2 with
+checkpointing and the MTP head.
 """
 
 from __future__ import annotations
@@ -260,13 +260,18 @@ LAYOUTS = {
 }
 
 # parallel.fsdp_backend=megatron (every "megatron*" layout; the real megatron-fsdp on the CPU
-# ranks, dist_testkit.cpu_cuda_streams): data parallel with a held-out evaluation after every
-# step (its forward puts the compute parameters in place) and the export read back below; CP 2
-# with checkpointing and the MTP head; DP 2 x CP 2 with accumulation
+# ranks, dist_testkit.cpu_cuda_streams), at world 2: data parallel with accumulation, a held-out
+# evaluation after every step (its forward puts the compute parameters in place) and the export
+# read back below; CP 2 with checkpointing and the MTP head
 LAYOUTS |= {
-    "megatron_fsdp": (
-        ("train.eval_every=1", "train.export_dir={megatron_export}"),
-        "eval",
+    "megatron_fsdp_accum": (
+        (
+            "train.grad_accum_steps=2",
+            "train.router_aux_loss_coef=0",
+            "train.eval_every=1",
+            "train.export_dir={megatron_export}",
+        ),
+        "eval_no_aux",
         (2,),
     ),
     "megatron_cp2_ac": (
@@ -280,18 +285,6 @@ LAYOUTS |= {
         "mtp",
         (2,),
     ),
-    "megatron_dp2_cp2_accum": (
-        (
-            "parallel.dp=2",
-            "parallel.cp=2",
-            "data.samples_per_rank=2",
-            "data.packing=true",
-            "train.grad_accum_steps=2",
-            "train.router_aux_loss_coef=0",
-        ),
-        "no_aux",
-        (4,),
-    ),
 }
 
 VARIANTS = {
@@ -300,7 +293,7 @@ VARIANTS = {
     "text_only": ("data.text_only=[4, 2]",),
     "mtp": MTP_ON,
     "mtp_bf16": (*MTP_ON, "train.dtype=bfloat16"),
-    "eval": ("train.eval_every=1",),
+    "eval_no_aux": ("train.eval_every=1", "train.router_aux_loss_coef=0"),
 }
 # bf16 rounds every matmul input to 8 mantissa bits and the ranks add partial results in another
 # order than one process, so the runs agree to bf16 resolution (2^-8 = 0.4 % per rounding), not
@@ -313,7 +306,7 @@ COMPARE = {
     "no_aux": {"fields": ("loss", "ce", "grad_norm")},
     "mtp": {"fields": (*FIELDS, "mtp_loss")},
     "mtp_bf16": {**BF16_COMPARE, "fields": (*FIELDS, "mtp_loss")},
-    "eval": {"fields": (*FIELDS, "eval_loss", "eval_accuracy")},
+    "eval_no_aux": {"fields": ("loss", "ce", "grad_norm", "eval_loss", "eval_accuracy")},
 }
 
 
@@ -420,16 +413,17 @@ def test_checkpoint_of_a_sharded_run_resumes_in_one_process(launch, reference, t
     assert_same_run(result.logs, reference[0][1:], state, reference[1])
 
 
-@pytest.mark.parametrize("layout", ["ep2", "megatron_fsdp"])
-def test_export_of_a_sharded_run_loads_in_transformers(launch, reference, layout):
-    if layout not in launch[0]:
-        pytest.skip(f"{layout} runs at world {LAYOUTS[layout][2]}")
+@pytest.mark.parametrize("layout", ["ep2", "megatron_fsdp_accum"])
+def test_export_of_a_sharded_run_loads_in_transformers(launch, references, layout):
     """The EP 2 + FSDP2 layout and the megatron-fsdp one exported their trained model (each
     rank gathering the tensors it writes): transformers' own class loads it, and the weights
-    are the one-process run's."""
+    are those of the one-process run of the same recipe."""
+    if layout not in launch[0]:
+        pytest.skip(f"{layout} runs at world {LAYOUTS[layout][2]}")
+    reference = references[LAYOUTS[layout][1]]
     checks, report, _, (fsdp2_export, megatron_export) = launch
     report.assert_passed(checks[layout])
-    exported = megatron_export if layout == "megatron_fsdp" else fsdp2_export
+    exported = megatron_export if layout.startswith("megatron") else fsdp2_export
     loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(exported)
     state = loaded.state_dict()
     lr = layout_recipe(1).train.lr
