@@ -162,6 +162,35 @@ def check_materialized_weights(overrides, expected) -> None:
         assert sorted(names) == sorted(state), weights
 
 
+def check_megatron_materialized_weights(overrides, expected) -> None:
+    """:func:`check_materialized_weights` with ``parallel.fsdp_backend=megatron`` (the real
+    megatron-fsdp on these CPU ranks), which materialises the meta model one unit at a time as
+    it shards it: no parameter is allocated when megatron-fsdp starts."""
+    from unittest import mock
+
+    import torch
+
+    import qwen35_trainer.parallel.megatron as megatron
+    from qwen35_trainer import build_training_model
+
+    shard_model = megatron.shard_model
+
+    def starts_on_meta(objective, *args, **kwargs):
+        allocated = [name for name, p in objective.named_parameters() if not p.is_meta]
+        assert not allocated, f"allocated before megatron-fsdp shards them: {allocated[:3]}"
+        return shard_model(objective, *args, **kwargs)
+
+    with cpu_cuda_streams(), mock.patch.object(megatron, "shard_model", starts_on_meta):
+        check_materialized_weights(("parallel.fsdp_backend=megatron", *overrides), expected)
+        # fp32: the weight buffer is the optimizer's, no second fp32 copy of this rank's shard
+        objective = build_training_model(
+            layout_recipe(dist.get_world_size(), "parallel.fsdp_backend=megatron", *overrides),
+            torch.device("cpu"),
+        )[0]
+        groups = objective.megatron.param_and_grad_buffer.parameter_groups
+        assert all(g.main_weight_buffer is None for g in groups)
+
+
 def measured_state_bytes(overrides) -> dict[str, int]:
     """After one training step of the tiny layout ``overrides``: this rank's bytes of parameter
     shards, gradient shards and optimizer state (for the planner's exact counts)."""
@@ -228,7 +257,7 @@ def load_peak_rss(overrides, weights: str, window: int) -> dict[str, int]:
 
     import qwen35_trainer.model.adapter as adapter
     from qwen35_trainer import build_training_model, load_hf_weights
-    from qwen35_trainer.model.build import _rebuild_buffers
+    from qwen35_trainer.model.build import materialize_buffers
     from qwen35_trainer.model.shards import local_index
     from qwen35_trainer.plan.memory import parameter_bytes
 
@@ -236,8 +265,7 @@ def load_peak_rss(overrides, weights: str, window: int) -> dict[str, int]:
     r = load_recipe(TINY, overrides)
     model = build_training_model(r, torch.device("cpu"), materialize=False)[0].model
     model.to_empty(device="cpu")
-    with torch.no_grad():
-        _rebuild_buffers(model)
+    materialize_buffers(model, "cpu")
     largest = max(math.prod(len(i) for i in local_index(p)) * 4 for p in model.parameters())
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:

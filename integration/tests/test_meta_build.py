@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 from dist_checks import (
+    check_megatron_materialized_weights,
     check_materialized_weights,
     check_training_equals_one_process,
     layout_recipe,
@@ -38,6 +39,8 @@ LAYOUTS = {
         "train.dtype=bfloat16",
     ),
     "hsdp_ep2": ("parallel.dp_replicate=2", "parallel.dp=2", "parallel.ep=2"),
+    # parallel.fsdp_backend=megatron: megatron-fsdp materialises it unit by unit
+    "megatron_dp4": ("parallel.dp=4",),
 }
 
 
@@ -79,7 +82,14 @@ def from_checkpoint(expected):
 @pytest.fixture(scope="module")
 def launch(expected, from_checkpoint):
     checks = {
-        name: named_check(name, check_materialized_weights, overrides, expected)
+        name: named_check(
+            name,
+            check_megatron_materialized_weights
+            if name.startswith("megatron")
+            else check_materialized_weights,
+            overrides,
+            expected,
+        )
         for name, overrides in LAYOUTS.items()
     }
     weights, logs, state = from_checkpoint

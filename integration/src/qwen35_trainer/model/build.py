@@ -12,13 +12,17 @@ the device (``to_empty``) and fills it, one parameter at a time:
   layout starts from the one-process weights exactly.
 
 The only buffers (the rotary embeddings' inverse frequencies, non-persistent) are recomputed by
-transformers' own rule. :func:`build_model` is the one-process shortcut: meta build +
-materialise on the host.
+transformers' own rule (:func:`materialize_buffers`). One filler, :func:`module_filler`,
+fills a module's parameters by their names either way; megatron-fsdp, which materialises the
+meta model one unit at a time itself, calls it module by module
+(:mod:`qwen35_trainer.parallel.megatron`). :func:`build_model` is the one-process shortcut: meta
+build + materialise on the host.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -27,14 +31,23 @@ from torch.distributed.tensor import DTensor
 from moe_parallel import MoE, swap_moe_blocks
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.init import init_rows, init_rule
-from qwen35_trainer.model.load import load_hf_weights
+from qwen35_trainer.model.load import plan_hf_load, read_parameter
 from qwen35_trainer.model.mtp import add_mtp
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index, read_local
 from qwen35_trainer.recipe import ModelRecipe
 
-__all__ = ["build_meta_model", "build_model", "init_parameters", "materialize", "moe_blocks"]
+__all__ = [
+    "build_meta_model",
+    "build_model",
+    "init_parameter",
+    "init_parameters",
+    "materialize",
+    "materialize_buffers",
+    "module_filler",
+    "moe_blocks",
+]
 
 logger = logging.getLogger("qwen35_trainer")
 
@@ -69,34 +82,91 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def init_parameter(seed: int, std: float, name: str, module: nn.Module, attr: str, param) -> None:
+    """Fill the local shard of ``module``'s parameter ``attr`` (full name ``name``) with its
+    name-seeded initial value."""
+    rule = init_rule(module, attr, std)
+    padding = getattr(module, "padding_idx", None) if attr == "weight" else None
+    value = read_local(
+        lambda lo, hi: init_rows(rule, seed, name, param.shape, lo, hi, padding_row=padding),
+        local_index(param),
+    )
+    _local(param).copy_(value)
+
+
 def init_parameters(model: nn.Module, seed: int, names: set[str] | None = None) -> None:
     """Fill every (materialised) parameter's local shard — or only those of ``names`` — with
     its name-seeded initial value."""
     std = model.config.text_config.initializer_range
     with torch.no_grad():
         for name, module, attr, param in named_parameters(model):
-            if names is not None and name not in names:
-                continue
-            rule = init_rule(module, attr, std)
-            padding = getattr(module, "padding_idx", None) if attr == "weight" else None
-            value = read_local(
-                lambda lo, hi, n=name, r=rule, p=param, pad=padding: init_rows(
-                    r, seed, n, p.shape, lo, hi, padding_row=pad
-                ),
-                local_index(param),
+            if names is None or name in names:
+                init_parameter(seed, std, name, module, attr, param)
+
+
+def module_filler(
+    model: nn.Module,
+    device: torch.device | str,
+    *,
+    seed: int = 0,
+    weights: str | None = None,
+    init_missing_mtp: bool = False,
+) -> Callable[[nn.Module], None]:
+    """``fill(module)``: fills the local shards of ``module``'s own (materialised) parameters
+    as :func:`materialize` does — read from ``weights``, else (and for an MTP head the
+    checkpoint lacks, ``init_missing_mtp``) name-seeded. Before returning, ``model``'s buffers
+    are materialised on ``device`` (:func:`materialize_buffers`) and the whole checkpoint is
+    planned and checked, every rank agreeing on ``device``; ``model``'s parameters may still be
+    on the meta device. Modules without parameters of their own are left as they are."""
+    materialize_buffers(model, device)
+    std = model.config.text_config.initializer_range
+    readers: dict = {}
+    if weights is not None:
+        readers, unfilled = plan_hf_load(
+            model, weights, torch.device(device), init_missing_mtp=init_missing_mtp
+        )
+        if unfilled:
+            logger.warning(
+                "checkpoint %s has no multi-token-prediction tensors (mtp.*): the MTP head's "
+                "%d tensors start from the seeded initialisation (model.init_missing_mtp: true)",
+                weights,
+                len(unfilled),
             )
-            _local(param).copy_(value)
+    owned: dict[nn.Module, list[tuple[str, str]]] = {}
+    for name, module, attr, _ in named_parameters(model):
+        owned.setdefault(module, []).append((name, attr))
+
+    def fill(module: nn.Module) -> None:
+        if module not in owned and next(module.parameters(recurse=False), None) is not None:
+            raise ValueError(f"{type(module).__name__} holds parameters outside the model")
+        with torch.no_grad():
+            for name, attr in owned.get(module, ()):
+                param = module._parameters[attr]
+                if name in readers:
+                    read_parameter(readers[name], param)
+                else:
+                    init_parameter(seed, std, name, module, attr, param)
+
+    return fill
 
 
-def _rebuild_buffers(model: nn.Module) -> None:
+def materialize_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate the buffers still on the meta device on ``device`` and (re)compute every
+    buffer by transformers' rule — the rotary embeddings' inverse frequencies, the model's only
+    buffers (any other is a ``ValueError``: it would need a rule of its own)."""
     for path, module in model.named_modules():
-        if not list(module.buffers(recurse=False)):
+        buffers = dict(module.named_buffers(recurse=False))
+        if not buffers:
             continue
         if "RotaryEmbedding" not in type(module).__name__ or not hasattr(
             module, "original_inv_freq"
         ):
             raise ValueError(f"no rule to rebuild the buffers of {path} ({type(module).__name__})")
-        model._init_weights(module)  # transformers' rule: inv_freq from the rope config
+        for attr, buffer in buffers.items():
+            if buffer.is_meta:
+                module._buffers[attr] = torch.empty_like(buffer, device=device)
+        with torch.no_grad():
+            model._init_weights(module)  # transformers' rule: inv_freq from the rope config
 
 
 def materialize(
@@ -112,20 +182,11 @@ def materialize(
     seeded initialisation, :func:`qwen35_trainer.model.load.load_hf_weights`); in place,
     returns ``model``."""
     model.to_empty(device=device)
-    with torch.no_grad():
-        _rebuild_buffers(model)
-    if weights is None:
-        init_parameters(model, seed)
-        return model
-    unfilled = load_hf_weights(model, weights, init_missing_mtp=init_missing_mtp)
-    if unfilled:
-        init_parameters(model, seed, set(unfilled))
-        logger.warning(
-            "checkpoint %s has no multi-token-prediction tensors (mtp.*): the MTP head's %d "
-            "tensors start from the seeded initialisation (model.init_missing_mtp: true)",
-            weights,
-            len(unfilled),
-        )
+    fill = module_filler(
+        model, device, seed=seed, weights=weights, init_missing_mtp=init_missing_mtp
+    )
+    for module in model.modules():
+        fill(module)
     return model
 
 

@@ -30,7 +30,7 @@ from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index, read_local
 from qwen35_trainer.parallel.dist import any_rank
 
-__all__ = ["load_hf_weights"]
+__all__ = ["load_hf_weights", "plan_hf_load", "read_parameter"]
 
 logger = logging.getLogger("qwen35_trainer")
 
@@ -44,6 +44,29 @@ def load_hf_weights(
     ``init_missing_mtp`` (module docstring), else none."""
     params = list(named_parameters(model))
     device = params[0][3].device if params else torch.device("cpu")
+    readers, unfilled = plan_hf_load(model, path, device, init_missing_mtp=init_missing_mtp)
+    with torch.no_grad():
+        for name, _, _, param in params:
+            if name in readers:
+                read_parameter(readers[name], param)
+    return unfilled
+
+
+def read_parameter(reader, param: torch.Tensor) -> None:
+    """Copy ``param``'s local shard (all of it for a plain tensor) in from its ``reader``."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    local.copy_(read_local(reader, local_index(param)).to(local.dtype))
+
+
+def plan_hf_load(
+    model: nn.Module, path: str | Path, device: torch.device, *, init_missing_mtp: bool = False
+) -> tuple[dict, list[str]]:
+    """``(readers, unfilled)``: a reader per parameter name of ``model`` (materialised or
+    still on the meta device) from the checkpoint directory ``path``, checked from metadata
+    only, and the names left to the caller (:func:`load_hf_weights`). The ranks agree on
+    whether any found a problem (one all-reduce on ``device``) and all raise the same
+    ``ValueError``."""
+    params = list(named_parameters(model))
     mtp = [name for name, _, _, _ in params if name.startswith(MTP_PREFIX)]
     problems: list[str] = []
     try:
@@ -86,11 +109,4 @@ def load_hf_weights(
             path,
             len(skipped),
         )
-    with torch.no_grad():
-        for name, _, _, param in params:
-            if name not in readers:
-                continue
-            local = param.to_local() if isinstance(param, DTensor) else param
-            value = read_local(readers[name], local_index(param))
-            local.copy_(value.to(local.dtype))
-    return unfilled
+    return readers, unfilled

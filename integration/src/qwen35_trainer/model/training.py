@@ -22,27 +22,25 @@ def build_training_model(
     recipe's meshes (:func:`qwen35_trainer.parallel.parallelize`; ``dims``: the layout when
     already validated) and — unless ``materialize`` is false (the planner) — this rank's
     shards allocated on ``device`` and filled: name-seeded, or read from ``model.path`` /
-    ``model.weights`` (megatron-fsdp: the whole model filled before it is sharded,
+    ``model.weights`` (megatron-fsdp: one unit at a time while it shards,
     :mod:`qwen35_trainer.parallel.megatron`). Every rank of the default process group calls
     it."""
     model = build.build_meta_model(recipe.model, packing=recipe.data.packing)
     objective = TrainingObjective(model, loss_chunk_size=recipe.train.loss_chunk_size)
-    filled = []
-
-    def fill() -> None:
-        build.materialize(
-            model,
-            device,
-            seed=recipe.train.seed,
-            weights=recipe.model.weights_dir,
-            init_missing_mtp=recipe.model.init_missing_mtp,
-        )
-        filled.append(True)
-
-    # FSDP2 shards the meta model and each rank fills its shards; megatron-fsdp fills first
+    fill = {
+        "seed": recipe.train.seed,
+        "weights": recipe.model.weights_dir,
+        "init_missing_mtp": recipe.model.init_missing_mtp,
+    }
+    # FSDP2 shards the meta model, then each rank fills its shards; megatron-fsdp fills each
+    # unit's whole modules itself, module by module, as it shards them
     layout = parallelize(
-        objective, recipe, device, dims=dims, materialize=fill if materialize else None
+        objective,
+        recipe,
+        device,
+        dims=dims,
+        filler=(lambda: build.module_filler(model, device, **fill)) if materialize else None,
     )
-    if materialize and not filled:
-        fill()
+    if materialize and objective.megatron is None:
+        build.materialize(model, device, **fill)
     return objective, layout

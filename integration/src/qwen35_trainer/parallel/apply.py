@@ -184,13 +184,14 @@ def parallelize(
     device: torch.device,
     *,
     dims: ParallelDims | None = None,
-    materialize: Callable[[], None] | None = None,
+    filler: Callable[[], Callable[[torch.nn.Module], None]] | None = None,
 ) -> Layout:
     """Build the meshes of ``recipe``'s layout on the default process group (``dims``: the
     layout when already validated) and apply TP, EP, activation checkpointing and FSDP2 (bf16
     compute with ``train.dtype: bfloat16``) to ``objective`` in place; this rank's
-    :class:`Layout`. ``materialize``: fills the model whole; megatron-fsdp
-    (``parallel.fsdp_backend: megatron``) needs it called before it shards."""
+    :class:`Layout`. ``filler()``: a function filling one materialised module's own
+    parameters (:func:`qwen35_trainer.model.build.module_filler`), which megatron-fsdp
+    (``parallel.fsdp_backend: megatron``) calls as it materialises and shards the model."""
     init_distributed()  # one process without a group: its one-rank group (see .dist)
     dims = dims or validate_layout(recipe, world())
     meshes = dims.build(device.type)
@@ -206,7 +207,7 @@ def parallelize(
         async_tp=recipe.parallel.async_tp and device.type == "cuda",
         compile_blocks_too=recipe.train.compile,
         fsdp_backend=recipe.parallel.fsdp_backend,
-        materialize=materialize,
+        filler=filler,
         device=device,
     )
     return Layout.from_meshes(meshes)
@@ -246,11 +247,12 @@ def apply_parallelism(
     async_tp: bool = False,
     compile_blocks_too: bool = False,
     fsdp_backend: str = "fsdp2",
-    materialize: Callable[[], None] | None = None,
+    filler: Callable[[], Callable[[torch.nn.Module], None]] | None = None,
     device: torch.device | None = None,
 ) -> None:
     """TP (``sequence_parallel``: with SP), EP, activation checkpointing, then FSDP2 (or
-    megatron-fsdp, ``fsdp_backend="megatron"``: after ``materialize()``, on ``device``), in
+    megatron-fsdp, ``fsdp_backend="megatron"``: materialised on ``device`` with
+    ``filler()``, :func:`qwen35_trainer.parallel.megatron.shard_megatron`), in
     place, on ``meshes``.
 
     ``param_dtype``: FSDP2's compute dtype (bf16), with fp32 sharded (master) parameters and
@@ -281,12 +283,12 @@ def apply_parallelism(
         objective.router.sequence_group = meshes.tp.get_group()
         objective.router.aux_group = meshes.routing.get_group()
     if fsdp_backend == "megatron":  # validate_layout refused what it does not run
-        if materialize is None:
+        if filler is None:
             raise ValueError(
-                "parallel.fsdp_backend=megatron shards a materialised model: the planner and "
-                "other meta-only builds plan FSDP2 (parallel.fsdp_backend=fsdp2)"
+                "parallel.fsdp_backend=megatron materialises the model as it shards it: the "
+                "planner and other meta-only builds plan FSDP2 (parallel.fsdp_backend=fsdp2)"
             )
-        shard_megatron(objective, meshes, device, FSDP_UNITS, materialize)
+        shard_megatron(objective, meshes, device, FSDP_UNITS, filler)
         return
     mp = None
     if param_dtype is not None:

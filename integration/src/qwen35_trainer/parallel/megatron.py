@@ -4,13 +4,16 @@ The trainer's step is the FSDP2 one (shares of the global loss, SUM reductions; 
 :mod:`qwen35_trainer.parallel.apply`); what megatron-fsdp does differently, and how each
 difference is met:
 
-- **Materialisation.** megatron-fsdp shards flat buffers by element ranges that it fills from
-  whole parameters; on the meta device it would call every module's ``reset_parameters``, which
-  transformers' modules do not have. So the model is materialised whole on every rank first, by
-  the same code as one process (name-seeded, or read from ``model.weights``;
-  :func:`qwen35_trainer.model.build.materialize`), and megatron-fsdp copies each rank's ranges
-  out of it: every rank holds the one-process weights. The cost is one whole model per rank
-  while sharding (the planner does not plan this backend).
+- **Materialisation.** megatron-fsdp shards flat buffers by element ranges that it copies out
+  of whole parameters. From the meta device (``init_model_with_meta_device``) it goes parameter
+  group by group (a unit: a decoder layer, a vision block, the rest of the model): it
+  allocates each module's own parameters whole and calls the module's ``reset_parameters``,
+  copies this rank's ranges into its buffer, and lets the whole tensors go. transformers'
+  modules have no such method, and torch's (``nn.Linear``'s, ...) draw other values: for the
+  sharding only, every module with parameters of its own gets a ``reset_parameters`` that fills
+  them by name exactly as one process does (name-seeded, or read from ``model.weights``;
+  :func:`qwen35_trainer.model.build.module_filler`), removed again once sharded. So every rank
+  holds the one-process weights, and at most one unit whole besides its shards.
 - **Sharding.** :func:`fsdp_compat.shard_model` with ``backend="megatron-fsdp"`` over
   ``dp_shard × cp`` (the dense mesh's size-1 ``tp`` dim is its TP dim), the decoder layers and
   vision blocks as units, ``grad_reduction="sum"`` (no gradient scaling: reductions are plain
@@ -36,11 +39,12 @@ difference is met:
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
-from fsdp_compat import shard_model
+from fsdp_compat import MixedPrecision, shard_model
 from fsdp_compat.megatron_optim import attach_optimizer
 from qwen35_trainer.parallel.dims import MeshAxis, Meshes
 
@@ -93,24 +97,35 @@ def shard_megatron(
     meshes: Meshes,
     device: torch.device,
     units: tuple[str, ...],
-    materialize: Callable[[], None],
+    filler: Callable[[], Callable[[nn.Module], None]],
 ) -> nn.Module:
-    """``materialize()`` the whole model, shard ``objective`` with megatron-fsdp (module
-    docstring) and make calling ``objective`` put the compute parameters in place; the
-    wrapper (also kept as ``objective.megatron``)."""
-    materialize()
-    wrapper = shard_model(
-        objective,
-        meshes.dense,
-        backend="megatron-fsdp",
-        shard_dims=(MeshAxis.DP_SHARD, MeshAxis.CP),
-        unit_modules=list(units),
-        grad_reduction="sum",
-        tp_dim=MeshAxis.TP,
-        device=device,
-        # the step syncs once, before clipping (not after every micro-batch's backward)
-        sync_model_each_microbatch=False,
-    )
+    """Shard the meta ``objective`` with megatron-fsdp, materialising it unit by unit on
+    ``device`` with ``fill = filler()`` (``fill(module)`` fills a materialised module's own
+    parameters; module docstring), and make calling ``objective`` put the compute parameters
+    in place; the wrapper (also kept as ``objective.megatron``)."""
+    fill = filler()  # the checkpoint planned and checked on every rank before any sharding
+    owners = [m for m in objective.modules() if next(m.parameters(recurse=False), None) is not None]
+    for module in owners:  # an instance attribute: it shadows torch's own method
+        vars(module)["reset_parameters"] = partial(fill, module)
+    try:
+        wrapper = shard_model(
+            objective,
+            meshes.dense,
+            backend="megatron-fsdp",
+            shard_dims=(MeshAxis.DP_SHARD, MeshAxis.CP),
+            unit_modules=list(units),
+            grad_reduction="sum",
+            # fp32 throughout: the weight buffer is the optimizer's (no second fp32 copy)
+            mixed_precision=MixedPrecision(main_params_dtype=None),
+            tp_dim=MeshAxis.TP,
+            device=device,
+            init_model_with_meta_device=True,
+            # the step syncs once, before clipping (not after every micro-batch's backward)
+            sync_model_each_microbatch=False,
+        )
+    finally:
+        for module in owners:
+            del vars(module)["reset_parameters"]
     # what the wrapper's forward does before calling the objective's
     objective.register_forward_pre_hook(
         lambda module, args: wrapper._replace_param_with_raw_if_needed(), prepend=True
