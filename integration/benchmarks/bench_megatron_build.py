@@ -108,6 +108,7 @@ def _measure(variant: str, world: int) -> dict[str, int]:
             f.write("5")  # resets the peak (VmHWM) to the current RSS
         objective, _ = build_training_model(recipe, torch.device("cpu"))
         peak, held = _status("VmHWM") - before, _status("VmRSS") - before
+        del objective  # held: measured while it is alive
     full = sum(
         p.numel() * p.element_size() for p in build.build_meta_model(recipe.model).parameters()
     )

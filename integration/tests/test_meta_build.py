@@ -15,8 +15,8 @@ import pytest
 import torch
 import transformers
 from dist_checks import (
-    check_megatron_materialized_weights,
     check_materialized_weights,
+    check_megatron_materialized_weights,
     check_training_equals_one_process,
     layout_recipe,
 )
