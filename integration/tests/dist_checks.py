@@ -165,7 +165,8 @@ def check_materialized_weights(overrides, expected) -> None:
 def check_megatron_materialized_weights(overrides, expected) -> None:
     """:func:`check_materialized_weights` with ``parallel.fsdp_backend=megatron`` (the real
     megatron-fsdp on these CPU ranks), which materialises the meta model one unit at a time as
-    it shards it: no parameter is allocated when megatron-fsdp starts."""
+    it shards it: no parameter is allocated when megatron-fsdp starts, and the weights the
+    optimizer steps (fp32, in bf16 too) are the one-process ones bit for bit."""
     from unittest import mock
 
     import torch
@@ -182,13 +183,14 @@ def check_megatron_materialized_weights(overrides, expected) -> None:
 
     with cpu_cuda_streams(), mock.patch.object(megatron, "shard_model", starts_on_meta):
         check_materialized_weights(("parallel.fsdp_backend=megatron", *overrides), expected)
-        # fp32: the weight buffer is the optimizer's, no second fp32 copy of this rank's shard
-        objective = build_training_model(
-            layout_recipe(dist.get_world_size(), "parallel.fsdp_backend=megatron", *overrides),
-            torch.device("cpu"),
-        )[0]
-        groups = objective.megatron.param_and_grad_buffer.parameter_groups
-        assert all(g.main_weight_buffer is None for g in groups)
+        # fp32: the weight buffer is the optimizer's, no second fp32 copy of this rank's shard;
+        # bf16: bf16 weights over fp32 main weights (those compared above)
+        r = layout_recipe(dist.get_world_size(), "parallel.fsdp_backend=megatron", *overrides)
+        objective = build_training_model(r, torch.device("cpu"))[0]
+        bf16 = r.train.dtype == "bfloat16"
+        for group in objective.megatron.param_and_grad_buffer.parameter_groups:
+            assert (group.main_weight_buffer is not None) == bf16
+            assert group.model_weight_buffer.dtype == (torch.bfloat16 if bf16 else torch.float32)
 
 
 def measured_state_bytes(overrides) -> dict[str, int]:

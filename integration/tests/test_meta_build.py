@@ -39,8 +39,10 @@ LAYOUTS = {
         "train.dtype=bfloat16",
     ),
     "hsdp_ep2": ("parallel.dp_replicate=2", "parallel.dp=2", "parallel.ep=2"),
-    # parallel.fsdp_backend=megatron: megatron-fsdp materialises it unit by unit
+    # parallel.fsdp_backend=megatron: megatron-fsdp materialises it unit by unit; in bf16 its
+    # fp32 main weights (what is compared) start from the fp32 values
     "megatron_dp4": ("parallel.dp=4",),
+    "megatron_bf16_dp4": ("parallel.dp=4", "train.dtype=bfloat16"),
 }
 
 

@@ -262,7 +262,8 @@ LAYOUTS = {
 # parallel.fsdp_backend=megatron (every "megatron*" layout; the real megatron-fsdp on the CPU
 # ranks, dist_testkit.cpu_cuda_streams), at world 2: data parallel with accumulation, a held-out
 # evaluation after every step (its forward puts the compute parameters in place) and the export
-# read back below; CP 2 with checkpointing and the MTP head
+# read back below; CP 2 with checkpointing and the MTP head; bf16 (bf16 weights computing over
+# fp32 main weights and gradients) with the MTP head
 LAYOUTS |= {
     "megatron_fsdp_accum": (
         (
@@ -285,6 +286,7 @@ LAYOUTS |= {
         "mtp",
         (2,),
     ),
+    "megatron_bf16": (("train.dtype=bfloat16", *MTP_ON), "mtp_bf16", (2,)),
 }
 
 VARIANTS = {

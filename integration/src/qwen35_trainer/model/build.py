@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from moe_parallel import MoE, swap_moe_blocks
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.init import init_rows, init_rule
-from qwen35_trainer.model.load import plan_hf_load, read_parameter
+from qwen35_trainer.model.load import plan_hf_load
 from qwen35_trainer.model.mtp import add_mtp
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.model.params import named_parameters
@@ -41,7 +41,7 @@ from qwen35_trainer.recipe import ModelRecipe
 __all__ = [
     "build_meta_model",
     "build_model",
-    "init_parameter",
+    "init_value",
     "init_parameters",
     "materialize",
     "materialize_buffers",
@@ -82,16 +82,15 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def init_parameter(seed: int, std: float, name: str, module: nn.Module, attr: str, param) -> None:
-    """Fill the local shard of ``module``'s parameter ``attr`` (full name ``name``) with its
-    name-seeded initial value."""
+def init_value(seed: int, std: float, name: str, module: nn.Module, attr: str, param):
+    """The name-seeded initial value (fp32) of the local shard of ``module``'s parameter
+    ``attr`` (full name ``name``)."""
     rule = init_rule(module, attr, std)
     padding = getattr(module, "padding_idx", None) if attr == "weight" else None
-    value = read_local(
+    return read_local(
         lambda lo, hi: init_rows(rule, seed, name, param.shape, lo, hi, padding_row=padding),
         local_index(param),
     )
-    _local(param).copy_(value)
 
 
 def init_parameters(model: nn.Module, seed: int, names: set[str] | None = None) -> None:
@@ -101,7 +100,7 @@ def init_parameters(model: nn.Module, seed: int, names: set[str] | None = None) 
     with torch.no_grad():
         for name, module, attr, param in named_parameters(model):
             if names is None or name in names:
-                init_parameter(seed, std, name, module, attr, param)
+                _local(param).copy_(init_value(seed, std, name, module, attr, param))
 
 
 def module_filler(
@@ -112,9 +111,10 @@ def module_filler(
     weights: str | None = None,
     init_missing_mtp: bool = False,
 ) -> Callable[[nn.Module], None]:
-    """``fill(module)``: fills the local shards of ``module``'s own (materialised) parameters
-    as :func:`materialize` does — read from ``weights``, else (and for an MTP head the
-    checkpoint lacks, ``init_missing_mtp``) name-seeded. Before returning, ``model``'s buffers
+    """``fill(module, keep=None)``: fills the local shards of ``module``'s own (materialised)
+    parameters as :func:`materialize` does — read from ``weights``, else (and for an MTP head
+    the checkpoint lacks, ``init_missing_mtp``) name-seeded — and hands each parameter with its
+    value before the cast to the parameter's dtype to ``keep(param, value)``. Before returning, ``model``'s buffers
     are materialised on ``device`` (:func:`materialize_buffers`) and the whole checkpoint is
     planned and checked, every rank agreeing on ``device``; ``model``'s parameters may still be
     on the meta device. Modules without parameters of their own are left as they are."""
@@ -136,16 +136,19 @@ def module_filler(
     for name, module, attr, _ in named_parameters(model):
         owned.setdefault(module, []).append((name, attr))
 
-    def fill(module: nn.Module) -> None:
+    def fill(module: nn.Module, keep: Callable | None = None) -> None:
         if module not in owned and next(module.parameters(recurse=False), None) is not None:
             raise ValueError(f"{type(module).__name__} holds parameters outside the model")
         with torch.no_grad():
             for name, attr in owned.get(module, ()):
                 param = module._parameters[attr]
                 if name in readers:
-                    read_parameter(readers[name], param)
+                    value = read_local(readers[name], local_index(param))
                 else:
-                    init_parameter(seed, std, name, module, attr, param)
+                    value = init_value(seed, std, name, module, attr, param)
+                _local(param).copy_(value)
+                if keep is not None:
+                    keep(param, value)
 
     return fill
 

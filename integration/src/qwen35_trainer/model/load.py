@@ -30,7 +30,7 @@ from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index, read_local
 from qwen35_trainer.parallel.dist import any_rank
 
-__all__ = ["load_hf_weights", "plan_hf_load", "read_parameter"]
+__all__ = ["load_hf_weights", "plan_hf_load"]
 
 logger = logging.getLogger("qwen35_trainer")
 
@@ -48,14 +48,9 @@ def load_hf_weights(
     with torch.no_grad():
         for name, _, _, param in params:
             if name in readers:
-                read_parameter(readers[name], param)
+                local = param.to_local() if isinstance(param, DTensor) else param
+                local.copy_(read_local(readers[name], local_index(param)))
     return unfilled
-
-
-def read_parameter(reader, param: torch.Tensor) -> None:
-    """Copy ``param``'s local shard (all of it for a plain tensor) in from its ``reader``."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    local.copy_(read_local(reader, local_index(param)).to(local.dtype))
 
 
 def plan_hf_load(

@@ -288,7 +288,7 @@ def apply_parallelism(
                 "parallel.fsdp_backend=megatron materialises the model as it shards it: the "
                 "planner and other meta-only builds plan FSDP2 (parallel.fsdp_backend=fsdp2)"
             )
-        shard_megatron(objective, meshes, device, FSDP_UNITS, filler)
+        shard_megatron(objective, meshes, device, FSDP_UNITS, filler, param_dtype)
         return
     mp = None
     if param_dtype is not None:

@@ -14,6 +14,14 @@ difference is met:
   them by name exactly as one process does (name-seeded, or read from ``model.weights``;
   :func:`qwen35_trainer.model.build.module_filler`), removed again once sharded. So every rank
   holds the one-process weights, and at most one unit whole besides its shards.
+- **Precision.** fp32: one fp32 buffer is both the compute and the optimizer's weights
+  (``main_params_dtype=None``; megatron-fsdp's default keeps a second fp32 copy). bf16
+  (``train.dtype: bfloat16``): megatron-fsdp computes in the model's own dtype, so the meta
+  parameters are cast to bf16 (the rotary buffers stay fp32, as under FSDP2), with fp32 main
+  weights and gradients, reduced in fp32 — FSDP2's bf16 step (bf16 compute over fp32 sharded
+  weights, fp32 reduction). The main weights start from the fp32 values, not the bf16-rounded
+  ones: the filler hands each value to megatron-fsdp through the parameter's
+  ``get_high_precision_init_val``, the hook its FP8 parameters use.
 - **Sharding.** :func:`fsdp_compat.shard_model` with ``backend="megatron-fsdp"`` over
   ``dp_shard × cp`` (the dense mesh's size-1 ``tp`` dim is its TP dim), the decoder layers and
   vision blocks as units, ``grad_reduction="sum"`` (no gradient scaling: reductions are plain
@@ -72,12 +80,6 @@ def megatron_refusals(recipe) -> list[str]:
             "replicas (parallel.dp_replicate > 1, megatron-fsdp's outer DP) are not trained on "
             "it here" + use
         )
-    if t.dtype == "bfloat16":
-        reasons.append(
-            "parallel.fsdp_backend=megatron trains in float32 here: megatron-fsdp computes in "
-            "the model's own dtype, so the trainer's bf16 (bf16 compute over fp32 sharded "
-            "weights) is FSDP2's" + use
-        )
     if t.compile:
         reasons.append(
             "train.compile=true is not trained on megatron-fsdp (its parameter swaps and "
@@ -97,16 +99,23 @@ def shard_megatron(
     meshes: Meshes,
     device: torch.device,
     units: tuple[str, ...],
-    filler: Callable[[], Callable[[nn.Module], None]],
+    filler: Callable[[], Callable[..., None]],
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Shard the meta ``objective`` with megatron-fsdp, materialising it unit by unit on
-    ``device`` with ``fill = filler()`` (``fill(module)`` fills a materialised module's own
-    parameters; module docstring), and make calling ``objective`` put the compute parameters
-    in place; the wrapper (also kept as ``objective.megatron``)."""
+    ``device`` with ``fill = filler()`` (``fill(module, keep)`` fills a materialised module's
+    own parameters; module docstring), computing in ``param_dtype`` (bf16) over fp32 main
+    weights and gradients when given, and make calling ``objective`` put the compute
+    parameters in place; the wrapper (also kept as ``objective.megatron``)."""
     fill = filler()  # the checkpoint planned and checked on every rank before any sharding
     owners = [m for m in objective.modules() if next(m.parameters(recurse=False), None) is not None]
+    if param_dtype is None:
+        # fp32 throughout: the weight buffer is the optimizer's (no second fp32 copy)
+        policy, keep = MixedPrecision(main_params_dtype=None), None
+    else:
+        policy, keep = _low_precision(owners, param_dtype), _keep_full_precision
     for module in owners:  # an instance attribute: it shadows torch's own method
-        vars(module)["reset_parameters"] = partial(fill, module)
+        vars(module)["reset_parameters"] = partial(fill, module, keep)
     try:
         wrapper = shard_model(
             objective,
@@ -115,8 +124,7 @@ def shard_megatron(
             shard_dims=(MeshAxis.DP_SHARD, MeshAxis.CP),
             unit_modules=list(units),
             grad_reduction="sum",
-            # fp32 throughout: the weight buffer is the optimizer's (no second fp32 copy)
-            mixed_precision=MixedPrecision(main_params_dtype=None),
+            mixed_precision=policy,
             tp_dim=MeshAxis.TP,
             device=device,
             init_model_with_meta_device=True,
@@ -132,6 +140,35 @@ def shard_megatron(
     )
     vars(objective)["megatron"] = wrapper  # a plain attribute: the wrapper holds the objective
     return wrapper
+
+
+def _low_precision(owners: list[nn.Module], dtype: torch.dtype) -> MixedPrecision:
+    """Cast the (meta) parameters of ``owners`` to ``dtype``, megatron-fsdp's compute dtype
+    (the buffers stay fp32, as under FSDP2's mixed precision), and the policy that keeps fp32
+    main weights and gradients, reduced in fp32."""
+    for module in owners:
+        for attr, param in list(module.named_parameters(recurse=False)):
+            module._parameters[attr] = nn.Parameter(
+                param.to(dtype), requires_grad=param.requires_grad
+            )
+    return MixedPrecision(
+        param_dtype=dtype,
+        reduce_dtype=torch.float32,
+        main_params_dtype=torch.float32,
+        main_grads_dtype=torch.float32,
+    )
+
+
+def _keep_full_precision(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Hand megatron-fsdp ``param``'s value before its cast to the compute dtype: it fills the
+    fp32 main weights from ``param.get_high_precision_init_val()`` where a parameter has it
+    (the hook its FP8 parameters use), else from the rounded parameter."""
+    vars(param)["get_high_precision_init_val"] = lambda: value
+    vars(param)["clear_high_precision_init_val"] = lambda: _forget(param)
+
+
+def _forget(param: nn.Parameter) -> None:
+    del vars(param)["get_high_precision_init_val"], vars(param)["clear_high_precision_init_val"]
 
 
 def place_distributed(objective: nn.Module) -> None:
