@@ -41,8 +41,8 @@ from qwen35_trainer.recipe import ModelRecipe
 __all__ = [
     "build_meta_model",
     "build_model",
-    "init_value",
     "init_parameters",
+    "init_value",
     "materialize",
     "materialize_buffers",
     "module_filler",
