@@ -67,12 +67,14 @@ def test_async_tp_fuses_the_collectives_and_trains_as_async_tp_off(tmp_path):
 
 
 @two_gpus
-def test_megatron_fsdp_trains_as_fsdp2(tmp_path):
-    """DP 2 in fp32 on megatron-fsdp and on FSDP2: the same logged losses."""
-    layout = ("parallel.tp=1", "parallel.dp=2", "train.dtype=float32", "train.checkpoint_every=0")
+@pytest.mark.parametrize(("dtype", "rel"), [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_megatron_fsdp_trains_as_fsdp2(tmp_path, dtype, rel):
+    """DP 2 on megatron-fsdp and on FSDP2, fp32 and bf16 (bf16 compute over fp32 weights on
+    both): the same logged losses."""
+    layout = ("parallel.tp=1", "parallel.dp=2", f"train.dtype={dtype}", "train.checkpoint_every=0")
     fsdp2, _ = _two_rank_run(tmp_path / "fsdp2", *layout)
     megatron, printed = _two_rank_run(
         tmp_path / "megatron", *layout, "parallel.fsdp_backend=megatron"
     )
     assert "megatron-fsdp" in printed
-    assert megatron == pytest.approx(fsdp2, rel=1e-4)
+    assert megatron == pytest.approx(fsdp2, rel=rel)

@@ -17,7 +17,8 @@ One process is the same program: it runs on a one-rank process group made here (
 life of the process, so the returned model's DTensor parameters stay usable), through the same
 meshes and FSDP2 wrapping as any layout. ``train.dtype: bfloat16``: FSDP2 mixed precision (bf16
 parameters and compute, fp32 sharded master weights, fp32 reduction), so one process and
-every layout round alike.
+every layout round alike (megatron-fsdp: bf16 weights over fp32 main weights and gradients,
+:mod:`qwen35_trainer.parallel.megatron`).
 
 The logged loss is the sum of the shares over the loss group (one all-reduce), i.e. the global
 batch's loss, identical on every rank. The loop is made of units a test or a user can drive:
