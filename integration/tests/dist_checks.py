@@ -84,14 +84,47 @@ def check_training_equals_one_process(
 
 
 def check_megatron_equals_one_process(
-    overrides, reference_logs, reference_state, compare=None
+    overrides, reference_logs, reference_state, compare=None, resume_dir=None
 ) -> None:
     """:func:`check_training_equals_one_process` with ``parallel.fsdp_backend=megatron``: the
-    real megatron-fsdp on these CPU ranks (:func:`dist_testkit.cpu_cuda_streams`)."""
+    real megatron-fsdp on these CPU ranks (:func:`dist_testkit.cpu_cuda_streams`). With
+    ``resume_dir``, the run is also stopped after 1 step (a checkpoint) and resumed: steps 2..3
+    and the final parameters equal its own uninterrupted run."""
+    world = dist.get_world_size()
     with cpu_cuda_streams():
-        check_training_equals_one_process(
-            ("parallel.fsdp_backend=megatron", *overrides), reference_logs, reference_state, compare
+        recipe = layout_recipe(world, "parallel.fsdp_backend=megatron", *overrides)
+        result = train(recipe)
+        state = {k: full_tensor(v).float() for k, v in result.objective.model.state_dict().items()}
+        assert_same_run(result.logs, reference_logs, state, reference_state, **(compare or {}))
+        if resume_dir is None:
+            return
+        stop = (*overrides, f"train.checkpoint_dir={resume_dir}")
+        train(layout_recipe(world, "parallel.fsdp_backend=megatron", *stop, "train.steps=1"))
+        resumed = train(layout_recipe(world, "parallel.fsdp_backend=megatron", *stop))
+        fields = (compare or {}).get("fields", FIELDS)
+        assert_same_run(
+            resumed.logs,
+            result.logs[1:],
+            resumed.objective.model.state_dict(),
+            state,
+            fields=fields,
+            rel=1e-6,
+            param_rtol=1e-6,
         )
+
+
+def check_checkpoints_cross_backends(path, reference_logs, reference_state) -> None:
+    """A checkpoint holds global tensors whichever backend wrote it
+    (:func:`fsdp_compat.dcp_ready`): DP 2 stopped after 1 step on megatron-fsdp and resumed on
+    FSDP2, and the other way round; steps 2..3 and the final parameters equal one process."""
+    world = dist.get_world_size()
+    with cpu_cuda_streams():
+        for first, then in (("megatron", "fsdp2"), ("fsdp2", "megatron")):
+            saved = f"train.checkpoint_dir={path}/{first}"
+            train(layout_recipe(world, f"parallel.fsdp_backend={first}", saved, "train.steps=1"))
+            result = train(layout_recipe(world, f"parallel.fsdp_backend={then}", saved))
+            state = result.objective.model.state_dict()
+            assert_same_run(result.logs, reference_logs[1:], state, reference_state)
 
 
 def check_resume_equals_uninterrupted(overrides, path, reference_logs, reference_state) -> None:

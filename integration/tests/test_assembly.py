@@ -203,14 +203,18 @@ def test_megatron_with_cuda_and_its_package_runs_what_it_is_proven_on(monkeypatc
     megatron = ("parallel.fsdp_backend=megatron",)
     assert machine_refusals(tiny(*megatron).parallel, cuda=True) == []
     assert megatron_refusals(tiny(*megatron)) == []
-    assert megatron_refusals(tiny(*megatron, "train.dtype=bfloat16")) == []
-    unproven = ("parallel.dp_replicate=2", "parallel.dp=2")
-    unproven += ("train.compile=true", "train.checkpoint_dir=/tmp/x")
+    proven = ("train.dtype=bfloat16", "train.checkpoint_dir=/tmp/x")
+    assert megatron_refusals(tiny(*megatron, *proven)) == []
+    unproven = ("parallel.dp_replicate=2", "parallel.dp=2", "train.compile=true")
+    unproven += ("train.checkpoint_dir=/tmp/x", "train.async_checkpoint=true")
     refused = megatron_refusals(tiny(*megatron, *unproven))
     assert len(refused) == 3, refused
-    for reason, what in zip(
-        refused, ("dp_replicate > 1", "train.compile=true", "DCP checkpoints"), strict=True
-    ):
-        assert what in reason and reason.endswith("use parallel.fsdp_backend=fsdp2"), reason
+    whats = {
+        "dp_replicate > 1": "use parallel.fsdp_backend=fsdp2",
+        "train.compile=true": "use parallel.fsdp_backend=fsdp2",
+        "train.async_checkpoint=true": "set train.async_checkpoint=false",
+    }
+    for reason, (what, remedy) in zip(refused, whats.items(), strict=True):
+        assert what in reason and reason.endswith(remedy), reason
     with pytest.raises(ValueError, match=r"the planner plans parallel\.fsdp_backend=fsdp2"):
         plan(tiny(*megatron))

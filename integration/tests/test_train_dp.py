@@ -20,7 +20,8 @@ exactly, under the same layout and in one process; with the newest checkpoint da
 rank's file, every rank falls back to the one before it. megatron-fsdp
 (``parallel.fsdp_backend=megatron``, the real package on these CPU ranks under
 ``dist_testkit.cpu_cuda_streams``): DP 2 with accumulation, evaluation and export, CP 2 with
-checkpointing and the MTP head.
+checkpointing and the MTP head, bf16 (also resumed); a checkpoint written on megatron-fsdp
+resumes on FSDP2 and the other way round.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dist_checks import (
     FIELDS,
     STEPS,
     assert_same_run,
+    check_checkpoints_cross_backends,
     check_megatron_equals_one_process,
     check_resume_equals_uninterrupted,
     check_resume_skips_a_damaged_checkpoint,
@@ -286,8 +288,13 @@ LAYOUTS |= {
         "mtp",
         (2,),
     ),
-    "megatron_bf16": (("train.dtype=bfloat16", *MTP_ON), "mtp_bf16", (2,)),
+    "megatron_bf16": (("train.dtype=bfloat16", "train.eval_every=1", *MTP_ON), "mtp_bf16", (2,)),
 }
+# megatron layouts also stopped after 1 step and resumed: equal to their own uninterrupted run
+# (bf16: the fp32 main weights loaded, then installed into the bf16 weights it computes with;
+# each checkpoint written after an evaluation, whose forward put the compute parameters in place)
+RESUMED = {"megatron_bf16"}
+RESUMED_AT_2 = ("cross_backend_resume",)  # the checks at world 2 only besides LAYOUTS
 
 VARIANTS = {
     "base": (),
@@ -352,10 +359,18 @@ def launch(request, references, tmp_path_factory):
             tuple(o.format(**fill) for o in overrides),
             *references[variant],
             COMPARE.get(variant),
+            *([str(tmp_path_factory.mktemp(name))] if name in RESUMED else []),
         )
         for name, (overrides, variant, worlds) in LAYOUTS.items()
         if world in worlds
     }
+    if world == 2:
+        checks["cross_backend_resume"] = named_check(
+            "cross_backend_resume@2",
+            check_checkpoints_cross_backends,
+            str(tmp_path_factory.mktemp("cross_backend")),
+            *references["base"],
+        )
     saved = tmp_path_factory.mktemp(f"ckpt_world{world}")
     checks["resume"] = named_check(
         f"resume@{world}",
@@ -396,11 +411,15 @@ REPEATS = {
 }
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "resume", "resume_async", "resume_damaged", *REPEATS])
+@pytest.mark.parametrize(
+    "layout",
+    [*LAYOUTS, "resume", "resume_async", "resume_damaged", "cross_backend_resume", *REPEATS],
+)
 def test_layout_equals_one_process(launch, layout):
     checks, report, _, _ = launch
     if layout not in checks:
-        pytest.skip(f"{layout} runs at world {LAYOUTS[layout][2] if layout in LAYOUTS else 4}")
+        worlds = LAYOUTS[layout][2] if layout in LAYOUTS else (2 if layout in RESUMED_AT_2 else 4)
+        pytest.skip(f"{layout} runs at world {worlds}")
     report.assert_passed(checks[layout])
 
 

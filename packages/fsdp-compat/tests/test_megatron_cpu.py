@@ -16,15 +16,17 @@ one process training the unsharded model on the same global batch.
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from _models import Block, MoEBlock, MoEModel, TinyTransformer, batches, lm_loss
 from torch.distributed.tensor import DTensor
 
 from dist_testkit import assert_close, cpu_cuda_streams, make_mesh, named_check, run_checks
-from fsdp_compat import clip_grad_norm, finish_grad_sync, full_tensor, shard_model
+from fsdp_compat import clip_grad_norm, dcp_ready, finish_grad_sync, full_tensor, shard_model
 
 pytest.importorskip("megatron_fsdp")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test runs it for real")
@@ -64,16 +66,6 @@ def _reference(model, data):
     return out
 
 
-def _grad(p: DTensor) -> torch.Tensor:
-    """``p``'s gradient; zeros where megatron-fsdp left it unset (this rank's shard is empty)."""
-    if p.grad is not None:
-        return p.grad
-    local = p.to_local()
-    return DTensor.from_local(
-        torch.zeros_like(local), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-    )
-
-
 def check_trains_like_one_process(overlap_grad_reduce: bool, moe: bool = False) -> None:
     """world 2 = dp 1 × cp 2 (the shard dims flattened), SUM reduction of loss shares; the
     gradient reductions asynchronous (megatron-fsdp's default) or not. The gradients are synced
@@ -104,15 +96,67 @@ def check_trains_like_one_process(overlap_grad_reduce: bool, moe: bool = False) 
             assert named.keys() == ref_grads.keys()
             for name, p in named.items():
                 assert isinstance(p, DTensor), (name, type(p))
-                assert_close(
-                    full_tensor(_grad(p)), ref_grads[name], name=f"step {step} {name}.grad"
-                )
+                # a gradient on every rank, its shard empty or not (FSDP2's rule)
+                assert p.grad is not None, (name, p.to_local().shape)
+                assert_close(full_tensor(p.grad), ref_grads[name], name=f"step {step} {name}.grad")
             norm = clip_grad_norm(sharded.parameters(), MAX_NORM)
             assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)
             optimizer.step()
             for name, p in sharded.module.named_parameters():
                 assert_close(full_tensor(p), ref_params[name], rtol=1e-4, atol=1e-6,
                              name=f"step {step} {name}")  # fmt: skip
+
+
+def _trained_megatron(mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The tiny transformer on megatron-fsdp after one AdamW step (optimizer state exists)."""
+    torch.manual_seed(2)
+    model = TinyTransformer()
+    optimizer = _adamw(model)
+    sharded = shard_model(model, mesh, backend="megatron-fsdp", shard_dims=("dp",),
+                          unit_modules=[Block], optimizer=optimizer, grad_reduction="sum",
+                          device=torch.device("cpu"))  # fmt: skip
+    lm_loss(sharded, batches(dist.get_world_size(), 1)[0][dist.get_rank()]).backward()
+    optimizer.step()
+    return sharded, optimizer
+
+
+def check_dcp_checkpoint_loads_into_fsdp2() -> None:
+    """A DCP checkpoint of megatron-fsdp's model and optimizer (:func:`dcp_ready`) holds the
+    global tensors: FSDP2 shards of a fresh model load exactly the same weights and Adam
+    moments; a rank lacking a tensor the others hold is one error on every rank."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    with cpu_cuda_streams():
+        mesh = make_mesh((dist.get_world_size(), 1), ("dp", "tp"))
+        sharded, optimizer = _trained_megatron(mesh)
+        where = [tempfile.mkdtemp(prefix="fsdp_compat_dcp_") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(where)
+        megatron_state, optim_state = get_state_dict(sharded.module, optimizer)
+        dcp_ready(sharded, megatron_state, optim_state)
+        dcp.save({"model": megatron_state, "optim": optim_state}, checkpoint_id=where[0])
+        saved = {n: full_tensor(p) for n, p in sharded.module.named_parameters()}
+        moments = {n: full_tensor(optimizer.state[p]["exp_avg"])
+                   for n, p in sharded.module.named_parameters()}  # fmt: skip
+
+        fresh = TinyTransformer()
+        shard_model(fresh, make_mesh((dist.get_world_size(),), ("dp",)))
+        fresh_optimizer = _adamw(fresh)
+        model_state, optim_state = get_state_dict(fresh, fresh_optimizer)
+        dcp_ready(fresh, model_state, optim_state)  # FSDP2: nothing to do
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=where[0])
+        set_state_dict(fresh, fresh_optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])  # fmt: skip
+        for name, p in fresh.named_parameters():
+            assert_close(full_tensor(p), saved[name], rtol=0, atol=0, name=name)
+            exp_avg = full_tensor(fresh_optimizer.state[p]["exp_avg"])
+            assert_close(exp_avg, moments[name], rtol=0, atol=0, name=f"{name} exp_avg")
+
+        uneven = dict(megatron_state)
+        if dist.get_rank() == 1:
+            del uneven["head.weight"]
+        with pytest.raises(ValueError, match=r"rank 1 lacks 1, e\.g\. \['head\.weight'\]"):
+            dcp_ready(sharded, uneven)
 
 
 def check_full_tensor_of_fsdp2_shards() -> None:
@@ -139,6 +183,7 @@ CHECKS = [
     named_check("trains_like_one_process", check_trains_like_one_process, True),
     named_check("trains_like_one_process_sync_reduce", check_trains_like_one_process, False),
     named_check("moe_trains_like_one_process", check_trains_like_one_process, True, moe=True),
+    check_dcp_checkpoint_loads_into_fsdp2,
 ]
 
 

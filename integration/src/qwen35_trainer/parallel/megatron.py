@@ -85,11 +85,13 @@ def megatron_refusals(recipe) -> list[str]:
             "train.compile=true is not trained on megatron-fsdp (its parameter swaps and "
             "hooks inside compiled blocks are untested)" + use
         )
-    if t.checkpoint_dir is not None or (t.output_dir and t.checkpoint_every):
+    if t.async_checkpoint and (
+        t.checkpoint_dir is not None or (t.output_dir and t.checkpoint_every)
+    ):
         reasons.append(
-            "checkpoints are not written on megatron-fsdp yet: the trainer's DCP checkpoints "
-            "hold FSDP2's shards, megatron-fsdp's uneven element-range shards need its own "
-            "state-dict preprocessing (unset train.checkpoint_dir and train.checkpoint_every)" + use
+            "train.async_checkpoint=true is not run on megatron-fsdp: DCP's background stager "
+            "copies each DTensor's whole storage, and megatron-fsdp's shards are views of one "
+            "flat buffer (a copy of the buffer per parameter); set train.async_checkpoint=false"
         )
     return reasons
 

@@ -2,7 +2,9 @@
 
 A checkpoint is the directory ``<checkpoint_dir>/step_<NNNNNN>`` holding the model and optimizer
 state (``torch.distributed.checkpoint.state_dict``: FSDP2 / EP DTensor shards are written by
-their owners and re-sharded on load, so a checkpoint can be resumed under another layout), the
+their owners and re-sharded on load, so a checkpoint can be resumed under another layout;
+megatron-fsdp's uneven shards with their true offsets, :func:`fsdp_compat.dcp_ready`, so its
+checkpoints resume on FSDP2 and back), the
 number of finished steps, the files the trainer adds (the resolved recipe, the data state) and
 ``manifest.json``: every file's size and checksum (:mod:`qwen35_trainer.train.integrity`).
 
@@ -57,6 +59,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from fsdp_compat import dcp_ready
 from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.parallel.dist import all_ranks, rank, world
 from qwen35_trainer.train.integrity import (
@@ -237,8 +240,25 @@ def _finish(
         dist.barrier()  # every rank sees the checkpoint before it goes on
 
 
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple:
+    """``(model state, optimizer state)`` by parameter name (no optimizer: ``None``), their
+    DTensors describing their true blocks for DCP (megatron-fsdp's uneven shards included,
+    :func:`fsdp_compat.dcp_ready`; megatron-fsdp's own hooks put its distributed parameters in
+    place for ``state_dict`` and install the loaded ones for compute after ``load_state_dict``)."""
+    if optimizer is None:
+        model_state, optim_state = get_model_state_dict(model), None
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+    dcp_ready(_sharded(model), model_state, *([optim_state] if optim_state else []))
+    return model_state, optim_state
+
+
+def _sharded(model: nn.Module) -> nn.Module:
+    return getattr(model, "megatron", None) or model
+
+
 def _state(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _sharded_state(model, optimizer)
     return {"model": model_state, "optim": optim_state, "step": torch.tensor(step)}
 
 
@@ -361,7 +381,7 @@ def load_model_weights(path: str | Path, model: nn.Module, *, checksums: bool = 
     """Restore only ``model``'s weights from the checkpoint at ``path`` (any layout: DCP
     re-shards), verified first; returns its finished steps."""
     path = _verified(path, checksums)
-    state = {"model": get_model_state_dict(model), "step": torch.tensor(0)}
+    state = {"model": _sharded_state(model, None)[0], "step": torch.tensor(0)}
     _read(path, state, partial=True)
     set_model_state_dict(model, state["model"])
     return int(state["step"])
@@ -378,7 +398,7 @@ def load_checkpoint(
     """Restore ``model`` and ``optimizer`` in place from ``path``, verified first unless the
     caller already did (``verified``); returns the finished steps."""
     path = Path(path) if verified else _verified(path, checksums)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _sharded_state(model, optimizer)
     state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
     _read(path, state)
     set_state_dict(

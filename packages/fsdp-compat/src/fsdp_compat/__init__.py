@@ -8,9 +8,12 @@
 - :func:`finish_grad_sync` — complete the gradients before reading them (clipping): a no-op on
   FSDP2, megatron-fsdp's gradient sync on its wrapper.
 - :func:`full_tensor` — the whole tensor of a parameter or gradient sharded by either backend.
+- :func:`dcp_ready` — state dicts of either backend that ``torch.distributed.checkpoint``
+  saves and loads as global tensors.
 - :func:`build_megatron_call` — the megatron-fsdp call as data (function, keyword arguments).
 """
 
+from fsdp_compat.checkpoint import dcp_ready
 from fsdp_compat.clip import clip_grad_norm
 from fsdp_compat.gather import full_tensor
 from fsdp_compat.megatron import (
@@ -35,6 +38,7 @@ __all__ = [
     "build_megatron_call",
     "check_megatron_tp_params",
     "clip_grad_norm",
+    "dcp_ready",
     "finish_grad_sync",
     "flatten_mesh",
     "full_tensor",

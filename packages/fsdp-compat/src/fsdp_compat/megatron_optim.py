@@ -47,10 +47,16 @@ def finish_grad_sync(model: nn.Module) -> None:
     distributed parameters' ``.grad``, put those parameters in place). A second call before
     the next backward changes nothing (the reductions write the gradient shards, they do not
     add to them; the parity test syncs before clipping and again in the optimizer's step, with
-    the reductions asynchronous and synchronous)."""
+    the reductions asynchronous and synchronous). A rank whose shard of a parameter is empty
+    gets an empty gradient for it, as under FSDP2: every rank's optimizer then keeps state for
+    every parameter, so the ranks' checkpoints name the same tensors."""
     wrapper = megatron_wrapper(model)
-    if wrapper is not None:
-        wrapper.finish_grad_sync()
+    if wrapper is None:
+        return
+    wrapper.finish_grad_sync()
+    for _, param in wrapper.param_and_grad_buffer.optimizer_named_parameters:
+        if param.grad is None and param.requires_grad:  # an empty shard: megatron-fsdp sets none
+            param.grad = torch.zeros_like(param)
 
 
 def attach_optimizer(wrapper: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]):
