@@ -203,15 +203,14 @@ def test_megatron_with_cuda_and_its_package_runs_what_it_is_proven_on(monkeypatc
     megatron = ("parallel.fsdp_backend=megatron",)
     assert machine_refusals(tiny(*megatron).parallel, cuda=True) == []
     assert megatron_refusals(tiny(*megatron)) == []
-    proven = ("train.dtype=bfloat16", "train.checkpoint_dir=/tmp/x")
+    proven = ("train.dtype=bfloat16", "train.checkpoint_dir=/tmp/x", "train.compile=true")
     assert megatron_refusals(tiny(*megatron, *proven)) == []
-    unproven = ("parallel.dp_replicate=2", "parallel.dp=2", "train.compile=true")
+    unproven = ("parallel.dp_replicate=2", "parallel.dp=2")
     unproven += ("train.checkpoint_dir=/tmp/x", "train.async_checkpoint=true")
     refused = megatron_refusals(tiny(*megatron, *unproven))
-    assert len(refused) == 3, refused
+    assert len(refused) == 2, refused
     whats = {
         "dp_replicate > 1": "use parallel.fsdp_backend=fsdp2",
-        "train.compile=true": "use parallel.fsdp_backend=fsdp2",
         "train.async_checkpoint=true": "set train.async_checkpoint=false",
     }
     for reason, (what, remedy) in zip(refused, whats.items(), strict=True):

@@ -20,7 +20,7 @@ exactly, under the same layout and in one process; with the newest checkpoint da
 rank's file, every rank falls back to the one before it. megatron-fsdp
 (``parallel.fsdp_backend=megatron``, the real package on these CPU ranks under
 ``dist_testkit.cpu_cuda_streams``): DP 2 with accumulation, evaluation and export, CP 2 with
-checkpointing and the MTP head, bf16 (also resumed); a checkpoint written on megatron-fsdp
+checkpointing, compiled blocks and the MTP head, bf16 (also resumed); a checkpoint written on megatron-fsdp
 resumes on FSDP2 and the other way round.
 """
 
@@ -264,8 +264,8 @@ LAYOUTS = {
 # parallel.fsdp_backend=megatron (every "megatron*" layout; the real megatron-fsdp on the CPU
 # ranks, dist_testkit.cpu_cuda_streams), at world 2: data parallel with accumulation, a held-out
 # evaluation after every step (its forward puts the compute parameters in place) and the export
-# read back below; CP 2 with checkpointing and the MTP head; bf16 (bf16 weights computing over
-# fp32 main weights and gradients) with the MTP head
+# read back below; CP 2 with checkpointing, compiled blocks and the MTP head; bf16 (bf16 weights
+# computing over fp32 main weights and gradients) with the MTP head
 LAYOUTS |= {
     "megatron_fsdp_accum": (
         (
@@ -283,6 +283,7 @@ LAYOUTS |= {
             "parallel.cp=2",
             "data.samples_per_rank=4",
             "train.activation_checkpointing=true",
+            "train.compile=true",
             *MTP_ON,
         ),
         "mtp",

@@ -31,6 +31,15 @@ difference is met:
   gradient sync. Its wrapper's ``forward`` makes the first swap; the trainer calls the
   objective itself (step, evaluation), so a forward pre-hook on the objective makes the same
   swap. :func:`place_distributed` makes the second before the weights are read (export).
+- **Compiled blocks** (``train.compile``) are compiled before the sharding, as under FSDP2:
+  megatron-fsdp swaps the parameters around the blocks' forwards, never inside them, so each
+  compiled forward sees whole compute parameters (``TORCH_LOGS=recompiles`` on a DP 2 parity
+  run: every recompilation came from the rows' lengths or the mask's dtype, none from a swap).
+- **Checkpoints** are the trainer's DCP checkpoints: :func:`fsdp_compat.dcp_ready` gives the
+  uneven shards their true offsets, and megatron-fsdp's own hooks put its distributed
+  parameters in place for ``state_dict`` and install the loaded ones with ``load_state_dict``;
+  background checkpoints are refused (DCP's stager copies each DTensor's whole storage: a flat
+  buffer per parameter).
 - **The backward's bookkeeping** (which gradients a backward reduces) starts from a hook
   megatron-fsdp attaches to the output tensors of the modules holding every parameter, found
   in Tensor / tuple / list outputs only: the objective returns a ``NamedTuple``
@@ -79,11 +88,6 @@ def megatron_refusals(recipe) -> list[str]:
             "parallel.fsdp_backend=megatron shards over parallel.dp x parallel.cp only: "
             "replicas (parallel.dp_replicate > 1, megatron-fsdp's outer DP) are not trained on "
             "it here" + use
-        )
-    if t.compile:
-        reasons.append(
-            "train.compile=true is not trained on megatron-fsdp (its parameter swaps and "
-            "hooks inside compiled blocks are untested)" + use
         )
     if t.async_checkpoint and (
         t.checkpoint_dir is not None or (t.output_dir and t.checkpoint_every)
