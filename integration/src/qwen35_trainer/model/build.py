@@ -110,14 +110,15 @@ def module_filler(
     seed: int = 0,
     weights: str | None = None,
     init_missing_mtp: bool = False,
-) -> Callable[[nn.Module], None]:
+) -> Callable[..., None]:
     """``fill(module, keep=None)``: fills the local shards of ``module``'s own (materialised)
     parameters as :func:`materialize` does — read from ``weights``, else (and for an MTP head
     the checkpoint lacks, ``init_missing_mtp``) name-seeded — and hands each parameter with its
-    value before the cast to the parameter's dtype to ``keep(param, value)``. Before returning, ``model``'s buffers
-    are materialised on ``device`` (:func:`materialize_buffers`) and the whole checkpoint is
-    planned and checked, every rank agreeing on ``device``; ``model``'s parameters may still be
-    on the meta device. Modules without parameters of their own are left as they are."""
+    value before the cast to the parameter's dtype to ``keep(param, value)``. Before
+    returning, ``model``'s buffers are materialised on ``device`` (:func:`materialize_buffers`)
+    and the whole checkpoint is planned and checked, every rank agreeing on ``device``;
+    ``model``'s parameters may still be on the meta device. Modules without parameters of
+    their own are left as they are."""
     materialize_buffers(model, device)
     std = model.config.text_config.initializer_range
     readers: dict = {}
