@@ -204,13 +204,13 @@ def test_megatron_with_cuda_and_its_package_runs_what_it_is_proven_on(monkeypatc
     assert machine_refusals(tiny(*megatron).parallel, cuda=True) == []
     assert megatron_refusals(tiny(*megatron)) == []
     proven = ("train.dtype=bfloat16", "train.checkpoint_dir=/tmp/x", "train.compile=true")
+    proven += ("parallel.dp_replicate=2", "parallel.dp=2")
     assert megatron_refusals(tiny(*megatron, *proven)) == []
-    unproven = ("parallel.dp_replicate=2", "parallel.dp=2")
-    unproven += ("train.checkpoint_dir=/tmp/x", "train.async_checkpoint=true")
+    unproven = ("parallel.ep=2", "train.checkpoint_dir=/tmp/x", "train.async_checkpoint=true")
     refused = megatron_refusals(tiny(*megatron, *unproven))
     assert len(refused) == 2, refused
     whats = {
-        "dp_replicate > 1": "use parallel.fsdp_backend=fsdp2",
+        "parallel.ep=1 and parallel.tp=1": "use parallel.fsdp_backend=fsdp2",
         "train.async_checkpoint=true": "set train.async_checkpoint=false",
     }
     for reason, (what, remedy) in zip(refused, whats.items(), strict=True):

@@ -153,3 +153,31 @@ def test_the_122b_layout_on_a_fake_128_rank_world():
     # expert FSDP: the ranks at EP index 5 of the 16 EP groups; rank 5 takes data group 0
     efsdp = [5 + 8 * i for i in range(16)]
     assert out.stdout.strip().endswith(f"{efsdp} 0"), out.stdout
+
+
+def test_a_second_run_computes_on_its_own_meshes():
+    """DTensor caches ops' output specs by their inputs' specs, and a mesh equals any mesh over
+    the same ranks and names: an op on the second run's DTensors returned the FIRST run's mesh,
+    whose process group then served that run's collectives on some ranks and not on others (a
+    megatron-fsdp HSDP run after another hung in the gradient-norm all-reduce). Each build
+    starts from an empty cache (fake backend, one process, the HSDP shard group of rank 0)."""
+    code = textwrap.dedent(
+        """
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from qwen35_trainer.parallel import ParallelDims
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+        for run in range(2):
+            mesh = ParallelDims(launched=4, dp_replicate=2, dp=2).build("cpu").shard
+            doubled = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)]) * 2
+            print(mesh.get_group().group_name, doubled.device_mesh.get_group().group_name)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    runs = [line.split() for line in out.stdout.splitlines()]
+    assert len(runs) == 2 and runs[0][0] != runs[1][0], out.stdout  # each run its own groups
+    for own, computed_on in runs:
+        assert computed_on == own, out.stdout

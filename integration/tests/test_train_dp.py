@@ -20,8 +20,9 @@ exactly, under the same layout and in one process; with the newest checkpoint da
 rank's file, every rank falls back to the one before it. megatron-fsdp
 (``parallel.fsdp_backend=megatron``, the real package on these CPU ranks under
 ``dist_testkit.cpu_cuda_streams``): DP 2 with accumulation, evaluation and export, CP 2 with
-checkpointing, compiled blocks and the MTP head, bf16 (also resumed); a checkpoint written on megatron-fsdp
-resumes on FSDP2 and the other way round.
+checkpointing, compiled blocks and the MTP head, bf16 (also resumed), HSDP (2 replicas x CP 2)
+with accumulation; a checkpoint written on megatron-fsdp resumes on FSDP2 and the other way
+round.
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ LAYOUTS = {
 # ranks, dist_testkit.cpu_cuda_streams), at world 2: data parallel with accumulation, a held-out
 # evaluation after every step (its forward puts the compute parameters in place) and the export
 # read back below; CP 2 with checkpointing, compiled blocks and the MTP head; bf16 (bf16 weights
-# computing over fp32 main weights and gradients) with the MTP head
+# computing over fp32 main weights and gradients) with the MTP head; at world 4: HSDP with
+# accumulation
 LAYOUTS |= {
     "megatron_fsdp_accum": (
         (
@@ -290,6 +292,22 @@ LAYOUTS |= {
         (2,),
     ),
     "megatron_bf16": (("train.dtype=bfloat16", "train.eval_every=1", *MTP_ON), "mtp_bf16", (2,)),
+    # HSDP: 2 replicas of CP 2 shards, two micro-batches per step (the replicas summed once, on
+    # the last backward), after the other world-4 layouts in the same ranks (their meshes equal
+    # this run's)
+    "megatron_hsdp_cp2_accum": (
+        (
+            "parallel.dp_replicate=2",
+            "parallel.dp=1",
+            "parallel.cp=2",
+            "data.samples_per_rank=2",
+            "data.packing=true",
+            "train.grad_accum_steps=2",
+            "train.router_aux_loss_coef=0",
+        ),
+        "no_aux",
+        (4,),
+    ),
 }
 # megatron layouts also stopped after 1 step and resumed: equal to their own uninterrupted run
 # (bf16: the fp32 main weights loaded, then installed into the bf16 weights it computes with;

@@ -15,6 +15,7 @@ one process training the unsharded model on the same global batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
 
@@ -26,7 +27,14 @@ from _models import Block, MoEBlock, MoEModel, TinyTransformer, batches, lm_loss
 from torch.distributed.tensor import DTensor
 
 from dist_testkit import assert_close, cpu_cuda_streams, make_mesh, named_check, run_checks
-from fsdp_compat import clip_grad_norm, dcp_ready, finish_grad_sync, full_tensor, shard_model
+from fsdp_compat import (
+    accumulating,
+    clip_grad_norm,
+    dcp_ready,
+    finish_grad_sync,
+    full_tensor,
+    shard_model,
+)
 
 pytest.importorskip("megatron_fsdp")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test runs it for real")
@@ -98,6 +106,43 @@ def check_trains_like_one_process(overlap_grad_reduce: bool, moe: bool = False) 
                 assert isinstance(p, DTensor), (name, type(p))
                 # a gradient on every rank, its shard empty or not (FSDP2's rule)
                 assert p.grad is not None, (name, p.to_local().shape)
+                assert_close(full_tensor(p.grad), ref_grads[name], name=f"step {step} {name}.grad")
+            norm = clip_grad_norm(sharded.parameters(), MAX_NORM)
+            assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)
+            optimizer.step()
+            for name, p in sharded.module.named_parameters():
+                assert_close(full_tensor(p), ref_params[name], rtol=1e-4, atol=1e-6,
+                             name=f"step {step} {name}")  # fmt: skip
+
+
+def check_hsdp_accumulates_like_one_process(accum: int, auto_sync: bool) -> None:
+    """HSDP at world 2: the ranks are replicas (``rep`` 2 x ``dp`` 1), each with ``accum``
+    micro-batches per step, all but the last backward inside :func:`accumulating`; SUM
+    reductions of loss shares. megatron-fsdp sums over the replicas on a backward marked last
+    (``shard_model`` marks every one; ``accumulating`` unmarks), or on every backward with
+    ``sync_model_each_microbatch`` (``auto_sync``; ``accumulating`` holds it off): the
+    gradients, the clipped norm and the parameters equal one process's on the global batch of
+    ``2 * accum``."""
+    with cpu_cuda_streams():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mesh = make_mesh((world, 1, 1), ("rep", "dp", "tp"))
+        torch.manual_seed(1)
+        model = TinyTransformer()
+        data = batches(world * accum, STEPS)
+        reference = _reference(model, data)
+        optimizer = _adamw(model)
+        sharded = shard_model(model, mesh, backend="megatron-fsdp", shard_dims=("dp",),
+                              replicate_dims=("rep",), unit_modules=[Block], optimizer=optimizer,
+                              grad_reduction="sum", device=torch.device("cpu"),
+                              sync_model_each_microbatch=auto_sync)  # fmt: skip
+        for step, (_, ref_grads, ref_norm, ref_params) in enumerate(reference):
+            optimizer.zero_grad()
+            for i in range(accum):
+                share = lm_loss(sharded, data[step][rank * accum + i]) / (world * accum)
+                with accumulating(sharded) if i < accum - 1 else contextlib.nullcontext():
+                    share.backward()
+            finish_grad_sync(sharded)
+            for name, p in sharded.module.named_parameters():
                 assert_close(full_tensor(p.grad), ref_grads[name], name=f"step {step} {name}.grad")
             norm = clip_grad_norm(sharded.parameters(), MAX_NORM)
             assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)
@@ -183,6 +228,11 @@ CHECKS = [
     named_check("trains_like_one_process", check_trains_like_one_process, True),
     named_check("trains_like_one_process_sync_reduce", check_trains_like_one_process, False),
     named_check("moe_trains_like_one_process", check_trains_like_one_process, True, moe=True),
+    named_check("hsdp_trains_like_one_process", check_hsdp_accumulates_like_one_process, 1, False),
+    *(
+        named_check(f"hsdp_accumulates_{sync}", check_hsdp_accumulates_like_one_process, 2, on)
+        for sync, on in (("synced_each_backward", True), ("synced_last", False))
+    ),
     check_dcp_checkpoint_loads_into_fsdp2,
 ]
 

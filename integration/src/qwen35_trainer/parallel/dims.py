@@ -203,6 +203,7 @@ class ParallelDims(ParallelRecipe):
 
     def build(self, device_type: str) -> Meshes:
         """Every mesh (all ranks must call it: each dim creates its process groups)."""
+        _forget_earlier_meshes()
         a = MeshAxis
         names = (a.DP_REPLICATE, a.DP_SHARD, a.CP, a.TP)
         shape = (self.dp_replicate, self.dp, self.cp, self.tp)
@@ -222,3 +223,19 @@ class ParallelDims(ParallelRecipe):
     def from_recipe(cls, parallel: ParallelRecipe, world: int) -> ParallelDims:
         """The recipe's ``parallel`` section on ``world`` launched ranks."""
         return cls(**dataclasses.asdict(parallel), launched=world)
+
+
+def _forget_earlier_meshes() -> None:
+    """Drop DTensor's cached sharding propagations before a run builds its meshes.
+
+    A ``DeviceMesh`` equals (and hashes as) any mesh over the same ranks with the same dim
+    names, whatever process groups stand behind it, and DTensor caches each op's output specs
+    (mesh included) by its inputs' specs. In a process that trains a second time (``train()``
+    called again, a test's next layout) an op on the new run's DTensors can return the earlier
+    run's mesh object, with its groups; which ops hit depends on each rank's shard shapes, so the
+    ranks of one group can end up on different groups for the same collective: megatron-fsdp
+    HSDP after another run hung in the gradient-norm all-reduce, rank 0 on the earlier run's
+    group and rank 1 on the new one. Emptied here, every cached spec is this run's."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()

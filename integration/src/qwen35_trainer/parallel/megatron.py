@@ -23,9 +23,16 @@ difference is met:
   ones: the filler hands each value to megatron-fsdp through the parameter's
   ``get_high_precision_init_val``, the hook its FP8 parameters use.
 - **Sharding.** :func:`fsdp_compat.shard_model` with ``backend="megatron-fsdp"`` over
-  ``dp_shard × cp`` (the dense mesh's size-1 ``tp`` dim is its TP dim), the decoder layers and
-  vision blocks as units, ``grad_reduction="sum"`` (no gradient scaling: reductions are plain
-  sums of the ranks' shares, the one-process gradient).
+  ``dp_shard × cp`` (the dense mesh's size-1 ``tp`` dim is its TP dim), replicated over
+  ``dp_replicate`` (HSDP: megatron-fsdp's outer DP), the decoder layers and vision blocks as
+  units, ``grad_reduction="sum"`` (no gradient scaling: reductions are plain sums of the ranks'
+  shares, the one-process gradient).
+- **HSDP and accumulation.** megatron-fsdp sums the replicas' gradients by an in-place
+  all-reduce of its accumulating gradient buffer, on the backward it is told is the step's
+  last: the step runs every other micro-batch's backward inside
+  :func:`fsdp_compat.accumulating` (unmarked, the replicas were never summed: grad norm 0.650
+  against one process's 0.958; marked on every one, the earlier micro-batches would be summed
+  again at each later one).
 - **Which parameters are in place.** megatron-fsdp swaps the module's parameters: whole
   compute parameters for forward and backward, its distributed ``Shard(0)`` DTensors after the
   gradient sync. Its wrapper's ``forward`` makes the first swap; the trainer calls the
@@ -83,12 +90,6 @@ def megatron_refusals(recipe) -> list[str]:
             "trainer's expert mesh and its TP gradient rules are FSDP2's (megatron-fsdp derives "
             "its expert groups itself)" + use
         )
-    if p.dp_replicate > 1:
-        reasons.append(
-            "parallel.fsdp_backend=megatron shards over parallel.dp x parallel.cp only: "
-            "replicas (parallel.dp_replicate > 1, megatron-fsdp's outer DP) are not trained on "
-            "it here" + use
-        )
     if t.async_checkpoint and (
         t.checkpoint_dir is not None or (t.output_dir and t.checkpoint_every)
     ):
@@ -108,9 +109,9 @@ def shard_megatron(
     filler: Callable[[], Callable[..., None]],
     param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Shard the meta ``objective`` with megatron-fsdp, materialising it unit by unit on
-    ``device`` with ``fill = filler()`` (``fill(module, keep)`` fills a materialised module's
-    own parameters; module docstring), computing in ``param_dtype`` (bf16) over fp32 main
+    """Shard the meta ``objective`` with megatron-fsdp (HSDP when ``dp_replicate > 1``),
+    materialising it unit by unit on ``device`` with ``fill = filler()`` (``fill(module,
+    keep)`` fills a materialised module's own parameters; module docstring), computing in ``param_dtype`` (bf16) over fp32 main
     weights and gradients when given, and make calling ``objective`` put the compute
     parameters in place; the wrapper (also kept as ``objective.megatron``)."""
     fill = filler()  # the checkpoint planned and checked on every rank before any sharding
@@ -128,6 +129,7 @@ def shard_megatron(
             meshes.dense,
             backend="megatron-fsdp",
             shard_dims=(MeshAxis.DP_SHARD, MeshAxis.CP),
+            replicate_dims=(MeshAxis.DP_REPLICATE,) if meshes.dims.dp_replicate > 1 else (),
             unit_modules=list(units),
             grad_reduction="sum",
             mixed_precision=policy,

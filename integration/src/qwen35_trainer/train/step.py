@@ -16,11 +16,12 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from fsdp_compat import clip_grad_norm, finish_grad_sync
+from fsdp_compat import accumulating, clip_grad_norm, finish_grad_sync
 from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.model.flops import training_flops
 from qwen35_trainer.model.mtp import document_ids, mtp_targets
@@ -122,19 +123,23 @@ def train_step(
     ce = aux = torch.zeros((), device=device)
     mtp = torch.zeros(objective.mtp_depth, device=device)
     load = None
-    for batch, packed in micro:
+    sharded = objective.megatron or objective
+    for i, (batch, packed) in enumerate(micro):
         shares = objective(
             batch, layout.loss_group, packed, num_valid_tokens=num_valid, num_valid_mtp=num_mtp
         )
         micro_aux = shares.aux / len(micro)
-        total_loss(shares.ce, micro_aux, shares.mtp, aux_coef, mtp_weight).backward()
+        # every backward but the last adds to the gradients (megatron-fsdp then sums over the
+        # HSDP replicas once, on the last; FSDP2: nothing changes)
+        with accumulating(sharded) if i < len(micro) - 1 else nullcontext():
+            total_loss(shares.ce, micro_aux, shares.mtp, aux_coef, mtp_weight).backward()
         ce, aux = ce + shares.ce.detach(), aux + micro_aux.detach()
         if shares.mtp is not None:
             mtp = mtp + shares.mtp.detach()
         counts = objective.router.tokens_per_expert()
         load = counts if load is None else load + counts
     # megatron-fsdp: the reduced gradients reach the parameters only here (FSDP2: no-op)
-    finish_grad_sync(objective.megatron or objective)
+    finish_grad_sync(sharded)
     # under SP the whole parameters of the SP regions saw 1/tp of the tokens: sum over TP
     sum_sequence_parallel_grads(objective.sequence_parallel)
     if before_clip is not None:

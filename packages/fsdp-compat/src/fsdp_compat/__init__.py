@@ -5,6 +5,8 @@
 - :func:`flatten_mesh` / :func:`get_mesh_dim` — mesh dims by name, flattened ones included.
 - :class:`MixedPrecision` — one mixed-precision description for both backends.
 - :func:`clip_grad_norm` — gradient clipping over parameters on several device meshes.
+- :func:`accumulating` — backward passes inside add to the gradients (gradient accumulation);
+  the next one outside completes the step's reductions, on either backend.
 - :func:`finish_grad_sync` — complete the gradients before reading them (clipping): a no-op on
   FSDP2, megatron-fsdp's gradient sync on its wrapper.
 - :func:`full_tensor` — the whole tensor of a parameter or gradient sharded by either backend.
@@ -13,6 +15,7 @@
 - :func:`build_megatron_call` — the megatron-fsdp call as data (function, keyword arguments).
 """
 
+from fsdp_compat.accumulate import accumulating
 from fsdp_compat.checkpoint import dcp_ready
 from fsdp_compat.clip import clip_grad_norm
 from fsdp_compat.gather import full_tensor
@@ -35,6 +38,7 @@ __all__ = [
     "BackendSignatureError",
     "MixedPrecision",
     "__version__",
+    "accumulating",
     "build_megatron_call",
     "check_megatron_tp_params",
     "clip_grad_norm",

@@ -213,6 +213,9 @@ def _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard, mp, 
         options=options,
     )
     wrapper = fn(**kwargs)
+    # every backward completes the step's reductions (HSDP's replica all-reduce included) until
+    # fsdp_compat.accumulating says otherwise
+    wrapper.is_last_microbatch = True
     if optimizer is not None:
         attach_optimizer(wrapper, optimizer, names)
     return wrapper
