@@ -21,8 +21,8 @@ rank's file, every rank falls back to the one before it. megatron-fsdp
 (``parallel.fsdp_backend=megatron``, the real package on these CPU ranks under
 ``dist_testkit.cpu_cuda_streams``): DP 2 with accumulation, evaluation and export, CP 2 with
 checkpointing, compiled blocks and the MTP head, bf16 (also resumed), HSDP (2 replicas x CP 2)
-with accumulation; a checkpoint written on megatron-fsdp resumes on FSDP2 and the other way
-round.
+with accumulation (also resumed); a checkpoint written on megatron-fsdp resumes on FSDP2 and the
+other way round.
 """
 
 from __future__ import annotations
@@ -311,8 +311,9 @@ LAYOUTS |= {
 }
 # megatron layouts also stopped after 1 step and resumed: equal to their own uninterrupted run
 # (bf16: the fp32 main weights loaded, then installed into the bf16 weights it computes with;
-# each checkpoint written after an evaluation, whose forward put the compute parameters in place)
-RESUMED = {"megatron_bf16"}
+# each checkpoint written after an evaluation, whose forward put the compute parameters in place;
+# HSDP: each shard written once, by one of its replicas, and read by both)
+RESUMED = {"megatron_bf16", "megatron_hsdp_cp2_accum"}
 RESUMED_AT_2 = ("cross_backend_resume",)  # the checks at world 2 only besides LAYOUTS
 
 VARIANTS = {

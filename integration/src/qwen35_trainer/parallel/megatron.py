@@ -45,8 +45,10 @@ difference is met:
 - **Checkpoints** are the trainer's DCP checkpoints: :func:`fsdp_compat.dcp_ready` gives the
   uneven shards their true offsets, and megatron-fsdp's own hooks put its distributed
   parameters in place for ``state_dict`` and install the loaded ones with ``load_state_dict``;
-  background checkpoints are refused (DCP's stager copies each DTensor's whole storage: a flat
-  buffer per parameter).
+  background checkpoints are refused, untested: DCP's stager copies a CUDA DTensor's local
+  shard to the host, but deep-copies a CPU one with its whole storage, which on the CPU test
+  ranks is a megatron-fsdp flat buffer and fails ("Attempted to call copy_() on an invalid
+  python storage"), so the path a GPU run would take cannot run here.
 - **The backward's bookkeeping** (which gradients a backward reduces) starts from a hook
   megatron-fsdp attaches to the output tensors of the modules holding every parameter, found
   in Tensor / tuple / list outputs only: the objective returns a ``NamedTuple``
@@ -94,9 +96,10 @@ def megatron_refusals(recipe) -> list[str]:
         t.checkpoint_dir is not None or (t.output_dir and t.checkpoint_every)
     ):
         reasons.append(
-            "train.async_checkpoint=true is not run on megatron-fsdp: DCP's background stager "
-            "copies each DTensor's whole storage, and megatron-fsdp's shards are views of one "
-            "flat buffer (a copy of the buffer per parameter); set train.async_checkpoint=false"
+            "train.async_checkpoint=true is not tested on megatron-fsdp: DCP's background "
+            "stager copies a CUDA shard to the host, a path the CPU test ranks cannot run (a "
+            "CPU shard, a view of megatron-fsdp's flat buffer, is deep-copied with the whole "
+            "buffer and fails); set train.async_checkpoint=false"
         )
     return reasons
 
@@ -111,9 +114,10 @@ def shard_megatron(
 ) -> nn.Module:
     """Shard the meta ``objective`` with megatron-fsdp (HSDP when ``dp_replicate > 1``),
     materialising it unit by unit on ``device`` with ``fill = filler()`` (``fill(module,
-    keep)`` fills a materialised module's own parameters; module docstring), computing in ``param_dtype`` (bf16) over fp32 main
-    weights and gradients when given, and make calling ``objective`` put the compute
-    parameters in place; the wrapper (also kept as ``objective.megatron``)."""
+    keep)`` fills a materialised module's own parameters; module docstring), computing in
+    ``param_dtype`` (bf16) over fp32 main weights and gradients when given, and make calling
+    ``objective`` put the compute parameters in place; the wrapper (also kept as
+    ``objective.megatron``)."""
     fill = filler()  # the checkpoint planned and checked on every rank before any sharding
     owners = [m for m in objective.modules() if next(m.parameters(recurse=False), None) is not None]
     if param_dtype is None:
