@@ -10,9 +10,16 @@ Inside :func:`cpu_cuda_streams` those calls get CPU stand-ins: a stream or event
 nothing, a ``stream(...)`` context that does nothing, ``current_device()`` 0, ``synchronize`` /
 ``empty_cache`` no-ops, ``Tensor.record_stream`` a no-op and ``Tensor.cuda()`` the tensor itself.
 
+Collectives asked to run asynchronously (``async_op=True``, or coalesced with
+``async_ops=True``) complete before they return: gloo would run them on its own thread while the
+caller went on, and a library written for CUDA orders such work with streams and events (and
+keeps buffers alive with ``record_stream``), all of which are stand-ins here. Measured in a
+megatron-fsdp training step on 2 ranks: 62 of its 63 coalesced parameter all-gathers were still
+running when the call returned.
+
 Why it is exact: on the CPU every kernel runs to completion, in program order, on the calling
-thread before the call returns, and a gloo collective returns (or its ``wait()`` returns) only
-once its result is written. A stream or event only orders work that would otherwise run
+thread before the call returns, and with the collectives completed as above a collective returns
+only once its result is written. A stream or event only orders work that would otherwise run
 concurrently; here nothing does, so every "wait" is already satisfied and dropping it changes
 no value. ``Tensor.cuda()`` returning the tensor keeps it on the process's one device, where
 every other tensor of the rank lives. What the stand-ins do NOT test is the library's stream
@@ -23,10 +30,13 @@ with the library's own GPU tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from unittest import mock
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 __all__ = ["cpu_cuda_streams"]
 
@@ -98,4 +108,51 @@ def cpu_cuda_streams() -> Iterator[None]:
             (torch.Tensor, "cuda", lambda self, *args, **kwargs: self),
         ):
             stack.enter_context(mock.patch.object(owner, name, value))
+        for name in _COLLECTIVES:
+            stack.enter_context(mock.patch.object(dist, name, _completed(getattr(dist, name))))
+        coalesced = c10d._CoalescingManager
+        stack.enter_context(
+            mock.patch.object(coalesced, "append", _appended_completed(coalesced.append))
+        )
         yield
+
+
+# what torch.distributed runs asynchronously when asked (async_op=True)
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce",
+    "barrier",
+)
+
+
+def _completed(collective):
+    """``collective`` whose asynchronous work has completed when it returns. Inside a coalescing
+    manager an op is only recorded (an illegal-to-wait placeholder comes back): the manager runs
+    the batch at its exit, and :func:`_appended_completed` waits for it there."""
+
+    @functools.wraps(collective)
+    def run(*args, **kwargs):
+        work = collective(*args, **kwargs)
+        if kwargs.get("async_op") and work is not None and not isinstance(work, c10d._IllegalWork):
+            work.wait()
+        return work
+
+    return run
+
+
+def _appended_completed(append):
+    """A coalescing manager's ``append`` that first waits for the batch's work."""
+
+    def wait_then_append(self, work=None):
+        if work:
+            work.wait()
+        return append(self, work)
+
+    return wait_then_append
