@@ -16,8 +16,9 @@ about 240 MB of fp32 weights) on gloo CPU ranks (megatron-fsdp's CUDA streams re
 - ``FSDP2``: the trainer's default backend, for scale (each rank allocates only its shards; its
   gradient shards come at the first backward, megatron-fsdp allocates its gradient buffer here).
 
-The number is each rank's peak RSS (``VmHWM``, reset after the imports) minus its RSS before
-the build, the largest over the ranks; ``held`` is the RSS left when the build returns. Each
+The number is each rank's peak RSS growth over the build (:func:`dist_testkit.host_memory`:
+``VmHWM`` reset after the imports), the largest over the ranks; ``held`` is the RSS growth left
+when the build returns. Each
 variant is a fresh launch.
 
     python benchmarks/bench_megatron_build.py              # world 4
@@ -53,14 +54,6 @@ VARIANTS = {
 }
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def _whole_first(real_filler):
     """A ``module_filler`` that materialises and fills every module before megatron-fsdp
     starts: megatron-fsdp then copies its ranges out of the whole model."""
@@ -84,7 +77,7 @@ def _measure(variant: str, world: int) -> dict[str, int]:
 
     import qwen35_trainer.model.build as build
     import qwen35_trainer.parallel.megatron as megatron
-    from dist_testkit import cpu_cuda_streams
+    from dist_testkit import cpu_cuda_streams, host_memory
     from fsdp_compat import MixedPrecision
     from qwen35_trainer import build_training_model, load_recipe
 
@@ -103,17 +96,14 @@ def _measure(variant: str, world: int) -> dict[str, int]:
             patches.enter_context(
                 mock.patch.object(megatron, "MixedPrecision", lambda **_: MixedPrecision())
             )
-        before = _status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak (VmHWM) to the current RSS
-        objective, _ = build_training_model(recipe, torch.device("cpu"))
-        peak, held = _status("VmHWM") - before, _status("VmRSS") - before
-        del objective  # held: measured while it is alive
+        with host_memory() as used:
+            objective, _ = build_training_model(recipe, torch.device("cpu"))
+        del objective  # held: measured while it was alive
     full = sum(
         p.numel() * p.element_size() for p in build.build_meta_model(recipe.model).parameters()
     )
     dist.barrier()
-    return {"peak": peak, "held": held, "model": full}
+    return {"peak": used.peak, "held": used.held, "model": full}
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 from helpers import TINY, demo_recipe, tiny
 
-from dist_testkit import assert_close, cpu_cuda_streams
+from dist_testkit import assert_close, cpu_cuda_streams, host_memory
 from fsdp_compat import full_tensor
 from qwen35_trainer import load_recipe, train
 from qwen35_trainer.train.run_folder import step_records
@@ -275,14 +275,6 @@ def saved_activation_bytes(overrides) -> dict[str, int]:
     return measure(load_recipe(TINY, overrides))
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def load_peak_rss(overrides, weights: str, window: int) -> dict[str, int]:
     """This rank's peak RSS increase while ``load_hf_weights`` fills its (allocated, untouched)
     shards from ``weights``, with the bytes it holds and its largest local slice."""
@@ -302,13 +294,11 @@ def load_peak_rss(overrides, weights: str, window: int) -> dict[str, int]:
     model.to_empty(device="cpu")
     materialize_buffers(model, "cpu")
     largest = max(math.prod(len(i) for i in local_index(p)) * 4 for p in model.parameters())
-    before = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets the peak (VmHWM) to the current RSS
-    load_hf_weights(model, weights)
+    with host_memory() as used:
+        load_hf_weights(model, weights)
     return {
         "rank": dist.get_rank(),
-        "increase": _status("VmHWM") - before,
+        "increase": used.peak,
         "shards": parameter_bytes(model),
         "largest_slice": largest,
     }
