@@ -74,6 +74,23 @@ def _reference(model, data):
     return out
 
 
+def _clip_step_and_compare(sharded, optimizer, step, ref_grads, ref_norm, ref_params) -> None:
+    """The synced gradients (one on every rank, its shard empty or not: FSDP2's rule), the
+    clipped norm and the parameters after the optimizer step, against one process's."""
+    named = dict(sharded.module.named_parameters())
+    assert named.keys() == ref_grads.keys()
+    for name, p in named.items():
+        assert isinstance(p, DTensor), (name, type(p))
+        assert p.grad is not None, (name, p.to_local().shape)
+        assert_close(full_tensor(p.grad), ref_grads[name], name=f"step {step} {name}.grad")
+    norm = clip_grad_norm(sharded.parameters(), MAX_NORM)
+    assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)
+    optimizer.step()
+    for name, p in sharded.module.named_parameters():
+        assert_close(full_tensor(p), ref_params[name], rtol=1e-4, atol=1e-6,
+                     name=f"step {step} {name}")  # fmt: skip
+
+
 def check_trains_like_one_process(overlap_grad_reduce: bool, moe: bool = False) -> None:
     """world 2 = dp 1 × cp 2 (the shard dims flattened), SUM reduction of loss shares; the
     gradient reductions asynchronous (megatron-fsdp's default) or not. The gradients are synced
@@ -100,19 +117,7 @@ def check_trains_like_one_process(overlap_grad_reduce: bool, moe: bool = False) 
             loss = share.detach().clone()
             dist.all_reduce(loss)
             assert_close(loss, torch.tensor(ref_loss), name=f"step {step} loss")
-            named = dict(sharded.module.named_parameters())
-            assert named.keys() == ref_grads.keys()
-            for name, p in named.items():
-                assert isinstance(p, DTensor), (name, type(p))
-                # a gradient on every rank, its shard empty or not (FSDP2's rule)
-                assert p.grad is not None, (name, p.to_local().shape)
-                assert_close(full_tensor(p.grad), ref_grads[name], name=f"step {step} {name}.grad")
-            norm = clip_grad_norm(sharded.parameters(), MAX_NORM)
-            assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)
-            optimizer.step()
-            for name, p in sharded.module.named_parameters():
-                assert_close(full_tensor(p), ref_params[name], rtol=1e-4, atol=1e-6,
-                             name=f"step {step} {name}")  # fmt: skip
+            _clip_step_and_compare(sharded, optimizer, step, ref_grads, ref_norm, ref_params)
 
 
 def check_hsdp_accumulates_like_one_process(accum: int, auto_sync: bool) -> None:
@@ -142,14 +147,7 @@ def check_hsdp_accumulates_like_one_process(accum: int, auto_sync: bool) -> None
                 with accumulating(sharded) if i < accum - 1 else contextlib.nullcontext():
                     share.backward()
             finish_grad_sync(sharded)
-            for name, p in sharded.module.named_parameters():
-                assert_close(full_tensor(p.grad), ref_grads[name], name=f"step {step} {name}.grad")
-            norm = clip_grad_norm(sharded.parameters(), MAX_NORM)
-            assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)
-            optimizer.step()
-            for name, p in sharded.module.named_parameters():
-                assert_close(full_tensor(p), ref_params[name], rtol=1e-4, atol=1e-6,
-                             name=f"step {step} {name}")  # fmt: skip
+            _clip_step_and_compare(sharded, optimizer, step, ref_grads, ref_norm, ref_params)
 
 
 def _trained_megatron(mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
