@@ -1,5 +1,6 @@
-"""Sessions: ``tests`` (one per package, each in its own environment), ``lint``, ``bench`` and
-``gpu`` (everything that needs a CUDA GPU, as one unattended run).
+"""Sessions: ``tests`` (one per package, each in its own environment), ``lint``, ``bench``,
+``gpu`` (everything that needs a CUDA GPU, as one unattended run) and ``wheelhouse`` (the wheels
+that let ``tools/gpu_checks.py`` run the same GPU checks on a machine without a package index).
 
 Each ``tests`` environment is built with ``uv sync --package <name> --group test`` from the
 committed lock, so it holds ONLY that package, its own dependencies and its test group: a
@@ -8,16 +9,26 @@ package that forgets to declare a dependency fails here, not on a user's machine
 
 from __future__ import annotations
 
+import argparse
 import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import nox
 
+sys.path.insert(0, str(Path(__file__).parent / "tools"))
+from gpu_checks import (
+    GPU_BENCHMARKS,
+    GPU_SMOKE,
+    members,
+    test_env,
+    wheelhouse_requirements,
+)
+
 ROOT = Path(__file__).parent
-PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
-MEMBERS = {name: ROOT / "packages" / name for name in PACKAGES}
-MEMBERS["qwen35-trainer"] = ROOT / "integration"
+MEMBERS = members(ROOT)
 
 # Suites that must also pass against another release of an optional dependency: after the main
 # run (on the locked release), the listed requirement is installed over it and the listed
@@ -63,29 +74,13 @@ def _has_group(path: Path, group: str) -> bool:
         return group in tomllib.load(f).get("dependency-groups", {})
 
 
-def _test_env() -> dict[str, str | None]:
-    # One inductor cache shared by all sessions: the first torch.compile costs ~15 s on CPU.
-    # A module FSDP2 wraps must not return a view: an error in the ranks and runs tests start
-    # too (pytest's own filter, in pyproject.toml, covers only its process).
-    # Bytecode is written (PYTHONDONTWRITEBYTECODE unset, where the machine sets it): uv installs
-    # no .pyc files, and without them every process of a suite (each rank of every gloo launch,
-    # each worker, each CLI run) compiled torch's and transformers' sources again: importing the
-    # trainer took 15 s instead of 7.
-    return {
-        "TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".inductor-cache"),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "error:FSDP2-wrapped module:UserWarning",
-        "PYTHONDONTWRITEBYTECODE": None,
-    }
-
-
 @nox.session
 @nox.parametrize("package", list(MEMBERS))
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's suite in an environment that holds only that package."""
     _sync(session, package)
     session.chdir(MEMBERS[package])
-    session.run("pytest", "tests", *PYTEST_ARGS.get(package, ()), *session.posargs, env=_test_env())
+    session.run("pytest", "tests", *PYTEST_ARGS.get(package, ()), *session.posargs, env=test_env())
     for requirement, tests_paths in ALSO_AGAINST.get(package, []):
         session.run_install(
             "uv",
@@ -96,7 +91,7 @@ def tests(session: nox.Session, package: str) -> None:
             requirement,
             external=True,
         )
-        session.run("pytest", *tests_paths, *session.posargs, env=_test_env())
+        session.run("pytest", *tests_paths, *session.posargs, env=test_env())
 
 
 @nox.session
@@ -119,7 +114,7 @@ def bench(session: nox.Session) -> None:
         # a package's benchmark peers live in its optional "bench" dependency group
         _sync(session, package, *(("--group", "bench") if _has_group(path, "bench") else ()))
         for script in scripts:
-            session.run("python", str(script), *session.posargs, env=_test_env())
+            session.run("python", str(script), *session.posargs, env=test_env())
 
 
 def _has_extra(path: Path, extra: str) -> bool:
@@ -127,24 +122,18 @@ def _has_extra(path: Path, extra: str) -> bool:
         return extra in tomllib.load(f).get("project", {}).get("optional-dependencies", {})
 
 
-# GPU benchmarks: (package, script, arguments), sized to finish in about a minute each on one H200.
-GPU_BENCHMARKS = [
-    ("chunked-loss", "benchmarks/bench_loss.py",
-     ["--device", "cuda", "--dtype", "bf16", "--tokens", "8192", "--hidden", "3072",
-      "--timeout", "180"]),
-]  # fmt: skip
-
-
 @nox.session
 def gpu(session: nox.Session) -> None:
-    """Every GPU check as ONE run for a lent device (one H200, about 10 minutes): each package's
-    ``@pytest.mark.gpu`` tests with its ``gpu`` extra (TransformerEngine, flash-attn, fla; the
-    trainer's ``gpu`` extra brings every package's; its 2-GPU tests skip on one GPU), the
-    GPU benchmarks, then a one-GPU bf16 smoke run of the tiny recipe (20 steps, loss must fall).
-    Refuses to start without CUDA, so it never reports skipped GPU tests as a pass."""
+    """Every GPU check as one unattended run (what runs: ``tools/gpu_checks.py``): each
+    member's ``@pytest.mark.gpu`` tests in an environment uv builds with the member's ``gpu``
+    extra (flash-attn and TransformerEngine's torch bindings compile where no wheel matches
+    the torch build, so a first run takes long), the GPU benchmarks, the bf16 smoke run of the
+    tiny recipe. Refuses to start without CUDA, so it never reports skipped GPU tests as a
+    pass. Without a package index: ``nox -s wheelhouse`` where there is one, then
+    ``python3 tools/gpu_checks.py --wheelhouse DIR`` on the GPU machine."""
     if shutil.which("nvidia-smi") is None:
         session.error("nox -s gpu needs a CUDA GPU: nvidia-smi is not on PATH")
-    env = {**_test_env(), "OMP_NUM_THREADS": "4"}
+    env = {**test_env(), "OMP_NUM_THREADS": "4"}
     for package, path in MEMBERS.items():
         _sync(session, package, *(("--extra", "gpu") if _has_extra(path, "gpu") else ()))
         session.chdir(path)
@@ -160,13 +149,63 @@ def gpu(session: nox.Session) -> None:
     session.run("python", "-c", GPU_SMOKE, env=env)
 
 
-GPU_SMOKE = """
-import torch
-from qwen35_trainer import load_recipe, train
-assert torch.cuda.is_available(), "the GPU smoke run needs CUDA"
-recipe = load_recipe("tiny", ["train.steps=20", "train.dtype=bfloat16", "parallel.dp=1",
-                             "parallel.cp=1", "parallel.ep=1"])
-logs = train(recipe, on_step=lambda log: print(log, flush=True)).logs
-assert logs[-1].loss < 0.8 * logs[0].loss, (logs[0].loss, logs[-1].loss)
-print("gpu smoke: tiny recipe in bf16 on one GPU, loss", logs[0].loss, "->", logs[-1].loss)
-"""
+# The target of a wheelhouse by default: a Linux x86-64 CPython (manylinux wheels).
+WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+                   "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
+
+
+@nox.session(venv_backend="none")
+def wheelhouse(session: nox.Session) -> None:
+    """Wheels for ``tools/gpu_checks.py`` on a CUDA machine without a package index, made where
+    the index is: ``nox -s wheelhouse -- DIR [--python 3.12] [--have FILE] [--without NAME
+    ...]``. DIR gets every workspace member's wheel and the lock's pins (every member with its
+    extras and test group, then chunked-loss's benchmark peers) as wheels for that Python on
+    Linux x86-64, except the target's own torch build (torch, torchvision, torchaudio, triton,
+    the CUDA libraries), what ``--have`` lists (a ``pip freeze`` or ``pip list`` of the target,
+    one name per line) and what ``--without`` names. A pin with no wheel for the target (an
+    sdist-only kernel package) is named at the end, with the size of DIR."""
+    parser = argparse.ArgumentParser(prog="nox -s wheelhouse --")
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--python", default="3.12", help="the target's Python (default 3.12)")
+    parser.add_argument("--have", type=Path, help="the target's installed distributions")
+    parser.add_argument("--without", nargs="*", default=[], help="distributions to leave out")
+    args = parser.parse_args(session.posargs)
+    have = set()
+    if args.have is not None:
+        for line in args.have.read_text().splitlines():
+            words = line.replace("==", " ").split()
+            if words and not set(words[0]) <= set("-"):
+                have.add(words[0])
+    args.dir.mkdir(parents=True, exist_ok=True)
+    session.run("uv", "build", "--all-packages", "--wheel", "-o", str(args.dir), external=True)
+    export = ("uv", "export", "--frozen", "--no-emit-workspace", "--no-hashes", "--no-header",
+              "--no-annotate", "--no-default-groups")  # fmt: skip
+    pins, left = {}, {}
+    for scope in (("--all-packages", "--all-extras", "--group", "test"),
+                  ("--package", "chunked-loss", "--group", "bench")):  # fmt: skip
+        text = subprocess.run([*export, *scope], check=True, capture_output=True, text=True)
+        kept, why = wheelhouse_requirements(text.stdout, args.python, have, set(args.without))
+        for pin in kept:  # one version of each: the first scope's (the trainer's resolution)
+            pins.setdefault(pin.split("==")[0], pin)
+        left.update(why)
+    platforms = [f"--platform={p}" for p in WHEEL_PLATFORMS]
+    no_wheel = []
+    for pin in pins.values():
+        done = subprocess.run(
+            ["uv", "run", "--no-project", "--with", "pip", "python", "-m", "pip", "download",
+             "--quiet", "--no-deps", "--only-binary=:all:", "--implementation=cp",
+             f"--python-version={args.python}", *platforms, "-d", str(args.dir), pin],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode:
+            no_wheel.append(pin)
+    size = sum(f.stat().st_size for f in args.dir.glob("*.whl")) / 2**20
+    for why in sorted(set(left.values())):
+        names = sorted(n for n, w in left.items() if w == why)
+        session.log(f"left out, {why}: {len(names)} ({', '.join(names)})")
+    if no_wheel:
+        session.warn(
+            f"no wheel for CPython {args.python} on Linux x86-64, so not in {args.dir} (their GPU "
+            f"tests skip there): {', '.join(no_wheel)}"
+        )
+    session.log(f"{args.dir}: {len(list(args.dir.glob('*.whl')))} wheels, {size:.1f} MiB")

@@ -13,6 +13,8 @@ import sys
 import venv
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND = "pip install ./packages/*/ ./integration"  # the README's command, from the root
 WORKSPACE = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
@@ -23,21 +25,45 @@ def test_the_readme_names_the_command():
     assert COMMAND in (ROOT / "integration" / "README.md").read_text()
 
 
-def test_pip_resolves_the_trainer_in_a_fresh_environment(tmp_path):
+# An image's own torch that must stay (the GPU machines' 2.11 build, with its torchvision 0.26):
+# the trainer's requirements must not replace it (torchvision>=0.29.2 did, pulling torch 2.15).
+IMAGE_TORCH = "torch==2.11.0"
+
+
+@pytest.mark.parametrize("keep", [None, IMAGE_TORCH], ids=["fresh", "beside-torch-2.11"])
+def test_pip_resolves_the_trainer_in_a_fresh_environment(tmp_path, keep):
     venv.create(tmp_path / "env", with_pip=True)
     pip = tmp_path / "env" / ("Scripts" if sys.platform == "win32" else "bin") / "pip"
     targets = [f"./packages/{name}/" for name in WORKSPACE] + ["./integration"]
     report = tmp_path / "report.json"
+    constraints = []
+    if keep is not None:
+        (tmp_path / "keep.txt").write_text(keep + "\n")
+        constraints = ["--constraint", str(tmp_path / "keep.txt")]
     done = subprocess.run(
-        [str(pip), "install", "--dry-run", "--quiet", "--report", str(report), *targets],
+        [
+            str(pip),
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--report",
+            str(report),
+            *constraints,
+            *targets,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    names = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
-    assert {"qwen35-trainer", "torch", "transformers", *WORKSPACE} <= names
+    installs = {
+        i["metadata"]["name"]: i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+    }
+    assert {"qwen35-trainer", "torch", "transformers", *WORKSPACE} <= set(installs)
+    if keep is not None:
+        assert installs["torch"] == keep.split("==")[1]
 
 
 def test_the_wheel_built_from_the_sdist_carries_the_recipes(tmp_path):

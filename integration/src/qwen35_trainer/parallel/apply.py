@@ -25,8 +25,9 @@ the same program as every layout) and applies, in place:
   replicated over ``dp_replicate`` (HSDP), experts over the expert mesh's ``efsdp`` (and
   ``dp_replicate``), the units being the decoder layers and vision blocks, named explicitly;
   or, with ``parallel.fsdp_backend: megatron``, megatron-fsdp over ``dp_shard × cp`` with the
-  same units and SUM reductions, on the model materialised whole first
-  (:mod:`qwen35_trainer.parallel.megatron`: what differs and how the step stays the same).
+  same units and SUM reductions (HSDP over ``dp_replicate``), the meta model materialised one
+  unit at a time as it shards (:mod:`qwen35_trainer.parallel.megatron`: what differs and how
+  the step stays the same).
 
 The gradient rule (the one scaling in the trainer): each rank's loss is its SHARE of the global
 batch's loss (:mod:`qwen35_trainer.model.objective`) and every gradient reduction is a SUM

@@ -197,9 +197,10 @@ def plan(
     p = recipe.parallel
     if p.fsdp_backend == "megatron":
         raise ValueError(
-            "the planner plans parallel.fsdp_backend=fsdp2: megatron-fsdp materialises the "
-            "whole model on every rank before sharding it (qwen35_trainer.parallel.megatron), "
-            "which the planner's meta-device build does not do; plan the same layout with fsdp2"
+            "the planner plans parallel.fsdp_backend=fsdp2: it counts FSDP2's shards of a "
+            "meta-device model, while megatron-fsdp lays its flat buffers out (and its fp32 main "
+            "weights beside bf16 ones) only as it materialises each unit on a real device "
+            "(qwen35_trainer.parallel.megatron); plan the same layout with fsdp2"
         )
     world = world_size or p.world
     if world != p.world:

@@ -1,0 +1,245 @@
+"""Every GPU check of the workspace as one unattended run, shared by two entry points.
+
+- ``uv run nox -s gpu``: on a CUDA machine with a package index; each member's checks run in an
+  environment uv builds from the lock with the member's ``gpu`` extra.
+- ``python3 tools/gpu_checks.py --wheelhouse DIR``: on a CUDA machine WITHOUT a package index
+  (an air-gapped cluster node, a GPU box lent for a few minutes). The checks run in the
+  interpreter that runs this script, on ITS torch build (the one matching the machine's
+  driver), with the wheels of ``uv run nox -s wheelhouse -- DIR`` (made where an index is
+  reachable) installed for the run only: ``pip install --no-index --no-deps --target SITE``,
+  with SITE put first on ``PYTHONPATH`` of every check. Nothing of the interpreter's own
+  packages is changed.
+
+The checks: every member's ``@pytest.mark.gpu`` tests (pytest's exit code 5, "no test
+selected", passes: the member has none), the GPU benchmarks, and a one-GPU bf16 smoke run of
+the tiny recipe (20 steps; the loss must fall). Both entry points refuse to start without CUDA,
+so a run whose GPU tests all skipped is never reported as a pass. Tests that need what this
+machine lacks (a second GPU, a kernel package with no wheel) skip with their reason, and the
+script's first lines say which kernel packages it found.
+
+Standard library only (the script runs before anything is installed); ``packaging`` is imported
+by :func:`wheelhouse_requirements` alone, which runs where the index is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# GPU benchmarks: (member, script, arguments), sized to finish in about a minute each on one H200.
+GPU_BENCHMARKS = [
+    ("chunked-loss", "benchmarks/bench_loss.py",
+     ["--device", "cuda", "--dtype", "bf16", "--tokens", "8192", "--hidden", "3072",
+      "--timeout", "180"]),
+]  # fmt: skip
+
+GPU_SMOKE = """
+import torch
+from qwen35_trainer import load_recipe, train
+assert torch.cuda.is_available(), "the GPU smoke run needs CUDA"
+recipe = load_recipe("tiny", ["train.steps=20", "train.dtype=bfloat16", "parallel.dp=1",
+                             "parallel.cp=1", "parallel.ep=1"])
+logs = train(recipe, on_step=lambda log: print(log, flush=True)).logs
+assert logs[-1].loss < 0.8 * logs[0].loss, (logs[0].loss, logs[-1].loss)
+print("gpu smoke: tiny recipe in bf16 on one GPU, loss", logs[0].loss, "->", logs[-1].loss)
+"""
+
+# The GPU kernel packages the members' gpu extras bring (import name: distribution).
+KERNEL_PACKAGES = {
+    "flash_attn": "flash-attn",
+    "fla": "flash-linear-attention",
+    "transformer_engine": "transformer-engine",
+    "megatron_fsdp": "megatron-fsdp",
+}
+
+# What a wheelhouse never carries: the target's own torch build, which matches its driver.
+TARGET_OWN = ("torch", "torchvision", "torchaudio", "triton")
+TARGET_OWN_PREFIXES = ("nvidia-", "cuda-")
+
+
+def members(root: Path = ROOT) -> dict[str, Path]:
+    """The workspace members by distribution name: every package, then the trainer."""
+    found = {
+        p.name: p for p in sorted((root / "packages").iterdir()) if (p / "pyproject.toml").exists()
+    }
+    found["qwen35-trainer"] = root / "integration"
+    return found
+
+
+def test_env() -> dict[str, str | None]:
+    """The environment of every test process (``None``: unset).
+
+    One Inductor cache shared by every run (the first ``torch.compile`` costs ~15 s on CPU). A
+    module FSDP2 wraps must not return a view: an error in the ranks and runs the tests start
+    too (pytest's own filter, in pyproject.toml, covers only its process). Bytecode is written
+    (``PYTHONDONTWRITEBYTECODE`` unset where the machine sets it): uv installs no ``.pyc``
+    files, and without them every process (each rank of a gloo launch, each worker, each CLI
+    run) compiled torch's and transformers' sources again: importing the trainer took 15 s
+    instead of 7."""
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".inductor-cache"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "error:FSDP2-wrapped module:UserWarning",
+        "PYTHONDONTWRITEBYTECODE": None,
+    }
+
+
+def canonical(name: str) -> str:
+    """A distribution name as package indexes compare them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheelhouse_requirements(
+    exported: str, python_version: str, have: set[str], without: set[str]
+) -> tuple[list[str], dict[str, str]]:
+    """(the ``name==version`` pins to download, {name: why it is left out}) from ``exported``,
+    the text of ``uv export`` (pins with environment markers), for a Linux x86-64 CPython
+    ``python_version`` target. Left out: the target's own torch build (:data:`TARGET_OWN`, the
+    CUDA libraries), what the target already has (``have``) and what the caller leaves out
+    (``without``); a pin whose marker excludes the target is not a requirement there at all."""
+    from packaging.markers import Marker
+
+    major_minor = ".".join(python_version.split(".")[:2])
+    env = {
+        "python_version": major_minor,
+        "python_full_version": python_version
+        if python_version.count(".") == 2
+        else f"{major_minor}.0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "extra": "",
+    }
+    have = {canonical(n) for n in have}
+    without = {canonical(n) for n in without}
+    pins, left = [], {}
+    for line in exported.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line or line.startswith(("-", "\\")):
+            continue
+        pin, _, marker = (part.strip() for part in line.partition(";"))
+        if "==" not in pin:
+            raise ValueError(f"uv export gave {line!r}; expected name==version [; marker]")
+        if marker and not Marker(marker).evaluate(env):
+            continue
+        name = canonical(pin.split("==", 1)[0].split("[", 1)[0])
+        if name in TARGET_OWN or name.startswith(TARGET_OWN_PREFIXES):
+            left[name] = "the target's own torch build"
+        elif name in have:
+            left[name] = "the target has it"
+        elif name in without:
+            left[name] = "named by --without"
+        else:
+            pins.append(pin)
+    return pins, left
+
+
+def _install(wheelhouse: Path, site: Path) -> None:
+    wheels = sorted(wheelhouse.glob("*.whl"))
+    if not wheels:
+        raise SystemExit(f"gpu_checks: no wheels in {wheelhouse} (make them: nox -s wheelhouse)")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+         "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)],
+        check=True,
+    )  # fmt: skip
+
+
+def _steps(root: Path) -> list[tuple[str, list[str], Path, tuple[int, ...]]]:
+    """(name, command, folder, passing exit codes) of every check, in order."""
+    py = sys.executable
+    steps = [
+        (
+            f"{name}: gpu tests",
+            [py, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rs"],
+            path,
+            (0, 5),
+        )
+        for name, path in members(root).items()
+    ]
+    for name, script, args in GPU_BENCHMARKS:
+        steps.append((f"{name}: {script}", [py, script, *args], members(root)[name], (0,)))
+    steps.append(("qwen35-trainer: bf16 smoke run", [py, "-c", GPU_SMOKE], root, (0,)))
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--wheelhouse", type=Path, help="install these wheels for the run")
+    parser.add_argument("--log-dir", type=Path, help="write each check's whole output here")
+    args = parser.parse_args(argv)
+    import torch  # the interpreter's own build
+
+    if not torch.cuda.is_available():
+        print(
+            f"gpu_checks: needs a CUDA GPU; this interpreter's torch {torch.__version__} sees "
+            "none (torch.cuda.is_available() is False), so every GPU test would skip",
+            file=sys.stderr,
+        )
+        return 2
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env.update({k: v for k, v in test_env().items() if v is not None}, OMP_NUM_THREADS="4")
+    with tempfile.TemporaryDirectory(prefix="gpu-checks-site-") as site:
+        if args.wheelhouse is not None:
+            _install(args.wheelhouse, Path(site))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
+        return _run(_steps(ROOT), env, args.log_dir, torch)
+
+
+def _run(steps, env, log_dir: Path | None, torch) -> int:
+    print(
+        f"gpu_checks: torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+        flush=True,
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", _FIND_KERNELS], env=env, capture_output=True, text=True
+    ).stdout.strip()
+    print(f"gpu_checks: kernel packages: {found}", flush=True)
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for i, (name, command, cwd, ok) in enumerate(steps):
+        start = time.monotonic()
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+        output = done.stdout + done.stderr
+        if log_dir is not None:
+            (log_dir / f"{i:02d}-{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}.log").write_text(output)
+        lines = output.strip().splitlines()
+        verdict = "PASS" if done.returncode in ok else "FAIL"
+        print(
+            f"{verdict} {name} (exit {done.returncode}, {time.monotonic() - start:.0f} s): "
+            f"{lines[-1] if lines else ''}",
+            flush=True,
+        )
+        if verdict == "FAIL":
+            failed.append(name)
+            print("\n".join("    " + line for line in lines[-40:]), flush=True)
+        else:  # the skip reasons (-rs) say what this machine could not check
+            for line in lines:
+                if line.startswith("SKIPPED"):
+                    print("    " + line, flush=True)
+    print(f"gpu_checks: {len(steps) - len(failed)} of {len(steps)} passed", flush=True)
+    return 1 if failed else 0
+
+
+_FIND_KERNELS = f"""
+import importlib.util
+names = {KERNEL_PACKAGES!r}
+print(", ".join(f"{{dist}} {{'found' if importlib.util.find_spec(mod) else 'ABSENT'}}"
+                for mod, dist in names.items()))
+"""
+
+if __name__ == "__main__":
+    sys.exit(main())
