@@ -23,7 +23,7 @@ from gpu_checks import (
     GPU_BENCHMARKS,
     GPU_SMOKE,
     members,
-    test_env,
+    suite_env,
     wheelhouse_requirements,
 )
 
@@ -80,7 +80,7 @@ def tests(session: nox.Session, package: str) -> None:
     """Run one package's suite in an environment that holds only that package."""
     _sync(session, package)
     session.chdir(MEMBERS[package])
-    session.run("pytest", "tests", *PYTEST_ARGS.get(package, ()), *session.posargs, env=test_env())
+    session.run("pytest", "tests", *PYTEST_ARGS.get(package, ()), *session.posargs, env=suite_env())
     for requirement, tests_paths in ALSO_AGAINST.get(package, []):
         session.run_install(
             "uv",
@@ -91,7 +91,7 @@ def tests(session: nox.Session, package: str) -> None:
             requirement,
             external=True,
         )
-        session.run("pytest", *tests_paths, *session.posargs, env=test_env())
+        session.run("pytest", *tests_paths, *session.posargs, env=suite_env())
 
 
 @nox.session
@@ -114,7 +114,7 @@ def bench(session: nox.Session) -> None:
         # a package's benchmark peers live in its optional "bench" dependency group
         _sync(session, package, *(("--group", "bench") if _has_group(path, "bench") else ()))
         for script in scripts:
-            session.run("python", str(script), *session.posargs, env=test_env())
+            session.run("python", str(script), *session.posargs, env=suite_env())
 
 
 def _has_extra(path: Path, extra: str) -> bool:
@@ -133,7 +133,7 @@ def gpu(session: nox.Session) -> None:
     ``python3 tools/gpu_checks.py --wheelhouse DIR`` on the GPU machine."""
     if shutil.which("nvidia-smi") is None:
         session.error("nox -s gpu needs a CUDA GPU: nvidia-smi is not on PATH")
-    env = {**test_env(), "OMP_NUM_THREADS": "4"}
+    env = {**suite_env(), "OMP_NUM_THREADS": "4"}
     for package, path in MEMBERS.items():
         _sync(session, package, *(("--extra", "gpu") if _has_extra(path, "gpu") else ()))
         session.chdir(path)

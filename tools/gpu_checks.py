@@ -24,6 +24,7 @@ by :func:`wheelhouse_requirements` alone, which runs where the index is.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import subprocess
@@ -74,7 +75,7 @@ def members(root: Path = ROOT) -> dict[str, Path]:
     return found
 
 
-def test_env() -> dict[str, str | None]:
+def suite_env() -> dict[str, str | None]:
     """The environment of every test process (``None``: unset).
 
     One Inductor cache shared by every run (the first ``torch.compile`` costs ~15 s on CPU). A
@@ -149,6 +150,11 @@ def _install(wheelhouse: Path, site: Path) -> None:
     wheels = sorted(wheelhouse.glob("*.whl"))
     if not wheels:
         raise SystemExit(f"gpu_checks: no wheels in {wheelhouse} (make them: nox -s wheelhouse)")
+    if importlib.util.find_spec("pip") is None:
+        raise SystemExit(
+            f"gpu_checks: --wheelhouse installs with pip, which {sys.executable} lacks "
+            "(python3 -m ensurepip adds it)"
+        )
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
          "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)],
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env.update({k: v for k, v in test_env().items() if v is not None}, OMP_NUM_THREADS="4")
+    env.update({k: v for k, v in suite_env().items() if v is not None}, OMP_NUM_THREADS="4")
     with tempfile.TemporaryDirectory(prefix="gpu-checks-site-") as site:
         if args.wheelhouse is not None:
             _install(args.wheelhouse, Path(site))
