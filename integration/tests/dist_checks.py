@@ -9,7 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 from helpers import TINY, demo_recipe, tiny
 
-from dist_testkit import assert_close, cpu_cuda_streams, host_memory
+from dist_testkit import assert_close, cpu_cuda_streams, cpu_micro_pipeline_tp, host_memory
 from fsdp_compat import full_tensor
 from qwen35_trainer import load_recipe, train
 from qwen35_trainer.train.run_folder import step_records
@@ -435,3 +435,69 @@ def check_runs_repeat(root, overrides) -> None:
         runs.append((metrics, shards))
     assert len(runs[0][0]) == 2 and len(runs[0][1]) == 2 * dist.get_world_size()  # 2 per rank
     assert runs[0] == runs[1], runs
+
+
+def check_async_tp_equals_one_process(
+    overrides, reference_logs, reference_state, compare=None
+) -> dict[str, int]:
+    """``parallel.async_tp=true`` (TP 2 + SP, compiled blocks) trained on these CPU ranks equals
+    one process, with Inductor's micro-pipeline TP pass rewriting the blocks' graphs and the
+    fused ops running (:func:`dist_testkit.cpu_micro_pipeline_tp`: the pass's NCCL and
+    symmetric-memory checks pass, the fused ops run torch's reference kernels). Two more things
+    a GPU provides are stood in for: the machine check says async TP runs here, and
+    ``enable_async_tp`` (whose CUDA / NCCL / symmetric-memory checks async-tp-linear tests)
+    only turns the pass on, its last line.
+
+    What must fuse: in the forward every matmul -> reduce-scatter (the row-parallel
+    ``o_proj``, shared-expert ``down_proj`` and Gated DeltaNet ``out_proj``) and the shared
+    expert's all-gather -> ``gate_proj`` / ``up_proj``; in the backward the all-gather of a
+    row-parallel output's gradient -> its matmuls. What does not (README, "What async TP
+    fuses"): the attention's and the Gated DeltaNet's input all-gathers, which a graph break
+    inside the module (its eager varlen kernel) leaves in another graph than the projections,
+    and most backward reduce-scatters. This rank's counts: each (graph, kind, status, reason) of
+    the collective sites after the pass, and the fused kernels' calls."""
+    from collections import Counter
+    from unittest import mock
+
+    import torch
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.fx_passes import micro_pipeline_tp, post_grad
+
+    import async_tp_linear
+    from qwen35_trainer.parallel import apply
+
+    def turn_the_pass_on(tp_mesh, *, sequence_parallel):
+        assert sequence_parallel
+        inductor_config._micro_pipeline_tp = True
+
+    sites = Counter()
+    the_pass = post_grad.micro_pipeline_tp_pass
+
+    def recorded_pass(graph):
+        the_pass(graph)
+        graph_kind = "backward" if micro_pipeline_tp._is_backward(graph) else "forward"
+        for site in async_tp_linear.find_fusion_patterns(graph):
+            sites[(graph_kind, site.kind, site.status, site.reason)] += 1
+
+    torch._dynamo.reset()  # no graph compiled by an earlier layout without the pass
+    with (
+        # off again on exit; every graph compiled here, none read from the caches (whose
+        # graphs the pass does not see again)
+        inductor_config.patch(_micro_pipeline_tp=False, fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+        cpu_micro_pipeline_tp() as calls,
+        mock.patch.object(async_tp_linear, "async_tp_refusal", lambda device_type: None),
+        mock.patch.object(apply, "enable_async_tp", turn_the_pass_on),
+        mock.patch.object(post_grad, "micro_pipeline_tp_pass", recorded_pass),
+    ):
+        check_training_equals_one_process(
+            ("parallel.async_tp=true", *overrides), reference_logs, reference_state, compare
+        )
+    torch._dynamo.reset()
+    forward_scatters = {key for key in sites if key[:2] == ("forward", "matmul_reduce_scatter")}
+    assert forward_scatters == {("forward", "matmul_reduce_scatter", "fused", "")}, sites
+    for graph_kind in ("forward", "backward"):
+        assert sites[(graph_kind, "all_gather_matmul", "fused", "")] > 0, (graph_kind, sites)
+    assert all(calls[op] > 0 for op in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"))
+    return {**calls, **{" / ".join(key).rstrip(" /"): n for key, n in sorted(sites.items())}}

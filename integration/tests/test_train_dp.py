@@ -12,7 +12,9 @@ DP x TP 2 (attention heads and shared expert split) on packed rows. Every TP lay
 sequence parallelism (the default with tp > 1: TP 2, DP 2 x TP 2 with checkpointing, TP 2 x CP 2,
 DP 2 x TP 2 x EP 2 with accumulation, bf16 TP 2) except TP 2 x EP 2, which keeps the replicated
 residual stream (``parallel.sequence_parallel=false``). DP 2 x CP 2 x EP 2 and TP 2 also run with every
-block compiled (``train.compile``, with checkpointing). The packed layouts with TP,
+block compiled (``train.compile``, with checkpointing); TP 2 also with async TP
+(``parallel.async_tp``: Inductor's micro-pipeline TP pass fusing the blocks' collectives into
+their matmuls on these CPU ranks, ``dist_testkit.cpu_micro_pipeline_tp``). The packed layouts with TP,
 EP = world, CP 2 x EP 2 and bf16 also train the multi-token-prediction head, against one packed
 process with it (the token after a CP rank's last position lives on the other rank). Resume: a run stopped after one
 step (DCP checkpoint, written synchronously or in the background) and started again continues
@@ -36,6 +38,7 @@ from dist_checks import (
     FIELDS,
     STEPS,
     assert_same_run,
+    check_async_tp_equals_one_process,
     check_checkpoints_cross_backends,
     check_megatron_equals_one_process,
     check_resume_equals_uninterrupted,
@@ -135,6 +138,20 @@ LAYOUTS = {
             "data.samples_per_rank=4",
             "train.activation_checkpointing=true",
             "train.compile=true",
+            *MTP_ON,
+        ),
+        "mtp",
+        (2,),
+    ),
+    # parallel.async_tp (compiled TP 2 + SP with checkpointing and the MTP head): Inductor's
+    # micro-pipeline TP pass rewrites the blocks' graphs on these CPU ranks, the fused
+    # collective-matmul ops running torch's reference kernels (check_async_tp_equals_one_process)
+    "async_tp2": (
+        (
+            "parallel.dp=1",
+            "parallel.tp=2",
+            "data.samples_per_rank=4",
+            "train.activation_checkpointing=true",
             *MTP_ON,
         ),
         "mtp",
@@ -339,6 +356,16 @@ COMPARE = {
 }
 
 
+def _check_of(layout: str):
+    """The rank-side check of ``layout``: the megatron-fsdp and async-TP layouts' own, else
+    the plain comparison with one process."""
+    if layout.startswith("megatron"):
+        return check_megatron_equals_one_process
+    if layout.startswith("async_tp"):
+        return check_async_tp_equals_one_process
+    return check_training_equals_one_process
+
+
 @pytest.fixture(scope="module")
 def references():
     """The one-process run of each variant: its step logs and final (fp32) parameters."""
@@ -373,9 +400,7 @@ def launch(request, references, tmp_path_factory):
     checks = {
         name: named_check(
             f"{name}@{world}",
-            check_megatron_equals_one_process
-            if name.startswith("megatron")
-            else check_training_equals_one_process,
+            _check_of(name),
             tuple(o.format(**fill) for o in overrides),
             *references[variant],
             COMPARE.get(variant),

@@ -2,17 +2,17 @@
 
 One launch runs every check. The compiled checks patch Inductor's ``micro_pipeline_tp_pass`` with
 a wrapper that records ``find_fusion_patterns`` on the exact graph the pass receives (before) and
-returns (after). To let the REAL pass rewrite on CPU, the test (and only the test, inside the
-spawned ranks) makes the pass's availability checks pass (NCCL present, symmetric memory enabled
-for the group) and registers CPU kernels for the fused ops: torch's own reference implementations
-of them (the ones it registers for the Meta key, written with functional collectives), so the
-fused op's outputs have exactly the strides Inductor planned for. The compiled outputs and
-gradients are then compared with a plain single-process MLP.
+returns (after). To let the REAL pass rewrite on CPU, the compiled checks run inside
+``dist_testkit.cpu_micro_pipeline_tp`` (the test ranks only): the pass's availability checks pass
+(NCCL present, symmetric memory enabled for the group) and the fused ops get CPU kernels, torch's
+own reference implementations of them (written with functional collectives), so the fused op's
+outputs have exactly the strides Inductor planned for. The compiled outputs and gradients are
+then compared with a plain single-process MLP.
 """
 
 from __future__ import annotations
 
-import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -21,70 +21,32 @@ from compile_helpers import no_graph_cache
 from tp_mlp import MLP, sequence_parallel_plan
 
 from async_tp_linear import enable_async_tp, find_fusion_patterns, swap_tp_linears
-from dist_testkit import assert_close, full, make_mesh, run_checks
+from dist_testkit import assert_close, cpu_micro_pipeline_tp, full, make_mesh, run_checks
 
 B, S, H, F = 2, 8, 16, 32
 
 
-_CPU_KERNEL_CALLS = {"fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
-_LIBS = []
-
-
-def _register_cpu_fused_ops() -> None:
-    """Test-only CPU kernels for the two fused ops the pass emits (registered once per rank)."""
-    if _LIBS:
-        return
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    def ag_mm(A_shard, Bs, gather_dim, group_name, *, return_A=True):
-        _CPU_KERNEL_CALLS["fused_all_gather_matmul"] += 1
-        return symm_mem._fused_all_gather_matmul_fallback(
-            A_shard, Bs, gather_dim, group_name, return_A=return_A
-        )
-
-    def mm_rs(A, B_, reduce_op, scatter_dim, group_name):
-        _CPU_KERNEL_CALLS["fused_matmul_reduce_scatter"] += 1
-        return symm_mem._fused_matmul_reduce_scatter_fallback(
-            A, B_, reduce_op, scatter_dim, group_name
-        )
-
-    lib = torch.library.Library("symm_mem", "IMPL")
-    lib.impl("fused_all_gather_matmul", ag_mm, "CPU")
-    lib.impl("fused_matmul_reduce_scatter", mm_rs, "CPU")
-    _LIBS.append(lib)
-
-
-@contextlib.contextmanager
-def _pass_gates_open():
-    """Make the pass's runtime checks (NCCL present, symmetric memory on) pass, test only."""
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    saved = (dist.is_nccl_available, symm_mem.is_symm_mem_enabled_for_group)
-    dist.is_nccl_available = lambda: True
-    symm_mem.is_symm_mem_enabled_for_group = lambda group_name: True
-    try:
-        yield
-    finally:
-        dist.is_nccl_available, symm_mem.is_symm_mem_enabled_for_group = saved
-
-
-def _compile_and_record(model_tp, x_local, grad_local, *, gates_open):
-    """Compile + run with the pass on (fwd+bwd, or only fwd when ``grad_local`` is None); per
-    graph: sites before/after the pass, and with the gates in their natural CPU state (closed)."""
+def _compile_and_record(model_tp, x_local, grad_local):
+    """Compile + run with the pass on (fwd+bwd, or only fwd when ``grad_local`` is None) inside
+    ``cpu_micro_pipeline_tp``; per graph: sites before/after the pass, and with the pass's
+    checks in their natural CPU state (failing); the fused kernels' calls."""
     import torch._inductor.config as inductor_config
     from torch._inductor.fx_passes import micro_pipeline_tp, post_grad
+    from torch.distributed import _symmetric_memory as symm_mem
 
     records = []
     real_pass = post_grad.micro_pipeline_tp_pass
+    natural_checks = (dist.is_nccl_available, symm_mem.is_symm_mem_enabled_for_group)
 
     def recording_pass(graph):
-        with contextlib.ExitStack() as stack:
+        with (
+            mock.patch.object(dist, "is_nccl_available", natural_checks[0]),
+            mock.patch.object(symm_mem, "is_symm_mem_enabled_for_group", natural_checks[1]),
+        ):
             closed = find_fusion_patterns(graph)
-            if gates_open:
-                stack.enter_context(_pass_gates_open())
-            before = find_fusion_patterns(graph)
-            real_pass(graph)
-            after = find_fusion_patterns(graph)
+        before = find_fusion_patterns(graph)
+        real_pass(graph)
+        after = find_fusion_patterns(graph)
         records.append(
             {
                 "backward": micro_pipeline_tp._is_backward(graph),
@@ -96,7 +58,11 @@ def _compile_and_record(model_tp, x_local, grad_local, *, gates_open):
 
     post_grad.micro_pipeline_tp_pass = recording_pass
     try:
-        with no_graph_cache(), inductor_config.patch(_micro_pipeline_tp=True):
+        with (
+            no_graph_cache(),
+            inductor_config.patch(_micro_pipeline_tp=True),
+            cpu_micro_pipeline_tp() as calls,
+        ):
             torch._dynamo.reset()
             if grad_local is None:
                 with torch.no_grad():
@@ -107,7 +73,7 @@ def _compile_and_record(model_tp, x_local, grad_local, *, gates_open):
     finally:
         post_grad.micro_pipeline_tp_pass = real_pass
         torch._dynamo.reset()
-    return out, records
+    return out, records, calls
 
 
 def _setup(use_tp_linear):
@@ -150,9 +116,8 @@ def _by_kind(sites, kind):
 
 
 def check_tplinear_mlp_is_fused_and_exact():
-    _register_cpu_fused_ops()
     ref, model, x, grad_out, x_local, grad_local = _setup(use_tp_linear=True)
-    out, records = _compile_and_record(model, x_local, grad_local, gates_open=True)
+    out, records, calls = _compile_and_record(model, x_local, grad_local)
     assert [r["backward"] for r in records] == [False, True], records
     for r in records:
         graph = "backward" if r["backward"] else "forward"
@@ -169,18 +134,17 @@ def check_tplinear_mlp_is_fused_and_exact():
             after = _by_kind(r["after"], kind)
             assert [s.status for s in after] == ["fused"], (graph, kind, after)
             assert after[0].dim == before[0].dim and after[0].group_name == before[0].group_name
-    assert _CPU_KERNEL_CALLS["fused_all_gather_matmul"] >= 2, _CPU_KERNEL_CALLS
-    assert _CPU_KERNEL_CALLS["fused_matmul_reduce_scatter"] >= 2, _CPU_KERNEL_CALLS
+    assert calls["fused_all_gather_matmul"] >= 2, calls
+    assert calls["fused_matmul_reduce_scatter"] >= 2, calls
     _check_numerics(ref, model, x, grad_out, x_local, out)
-    return {"records": len(records), "calls": dict(_CPU_KERNEL_CALLS)}
+    return {"records": len(records), "calls": dict(calls)}
 
 
 def check_plain_linear_mlp_is_not_fusable_in_forward():
     """Negative control: nn.Linear with a bias lowers to addmm, which the pass cannot match.
     Forward only (an inference graph), to spare a second backward compile."""
-    _register_cpu_fused_ops()
     ref, model, x, _, x_local, _ = _setup(use_tp_linear=False)
-    out, records = _compile_and_record(model, x_local.detach(), None, gates_open=True)
+    out, records, _ = _compile_and_record(model, x_local.detach(), None)
     assert len(records) == 1, records
     forward = records[0]
     assert len(forward["before"]) == 2, forward["before"]

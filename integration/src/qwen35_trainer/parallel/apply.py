@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 
+import async_tp_linear
 from async_tp_linear import enable_async_tp, swap_tp_linears
 from fsdp_compat import MixedPrecision, shard_model
 from moe_parallel import (
@@ -204,8 +205,8 @@ def parallelize(
         param_dtype=torch.bfloat16 if bf16 else None,
         sequence_parallel=dims.sp,
         # async TP only where it can run (validate_layout refused it elsewhere; the planner
-        # builds GPU layouts on a fake world, where the TP linears are the same parameters)
-        async_tp=recipe.parallel.async_tp and device.type == "cuda",
+        # builds GPU layouts on a fake CPU world, where the TP linears are the same parameters)
+        async_tp=recipe.parallel.async_tp and async_tp_linear.async_tp_refusal(device.type) is None,
         compile_blocks_too=recipe.train.compile,
         fsdp_backend=recipe.parallel.fsdp_backend,
         filler=filler,

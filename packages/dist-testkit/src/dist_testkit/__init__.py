@@ -11,6 +11,8 @@ The public entry points:
 - :func:`host_memory` — the peak and held host RSS growth of a block of code (bytes).
 - :func:`cpu_cuda_streams` — CPU stand-ins for ``torch.cuda`` streams and events, so a library
   written against CUDA streams (megatron-fsdp) runs on gloo ranks.
+- :func:`cpu_micro_pipeline_tp` — Inductor's async-TP pass rewrites compiled graphs on CPU ranks,
+  the fused collective-matmul ops running torch's reference kernels (calls counted).
 """
 
 from dist_testkit.checks import CheckReport, named_check, run_checks
@@ -19,6 +21,7 @@ from dist_testkit.cuda_streams import cpu_cuda_streams
 from dist_testkit.launch import Outcome, RankError, launch, report_progress, run_ranks
 from dist_testkit.memory import HostMemory, host_memory
 from dist_testkit.mesh import make_mesh
+from dist_testkit.symm_mem import cpu_micro_pipeline_tp
 
 __version__ = "0.3.0"
 
@@ -31,6 +34,7 @@ __all__ = [
     "assert_close",
     "assert_grads_close",
     "cpu_cuda_streams",
+    "cpu_micro_pipeline_tp",
     "full",
     "host_memory",
     "launch",
