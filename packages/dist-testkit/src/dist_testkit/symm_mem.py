@@ -65,7 +65,7 @@ def _register_cpu_kernels() -> None:
 @contextlib.contextmanager
 def cpu_micro_pipeline_tp() -> Iterator[Counter[str]]:
     """Inside: the micro-pipeline TP pass rewrites on CPU ranks and the fused ops run (module
-    docstring); yields a counter of the fused kernels' calls made inside, by op name. The pass's
+    docstring); yields a counter of the fused kernels' calls made inside, by op name (filled in on exit). The pass's
     checks are restored on exit; turning the pass on (the Inductor flag) is the caller's, as on a
     GPU. Refuses on a machine with a GPU, where the real kernels must run."""
     if torch.cuda.is_available():
