@@ -460,7 +460,6 @@ def check_async_tp_equals_one_process(
     from unittest import mock
 
     import torch
-    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor.fx_passes import micro_pipeline_tp, post_grad
 
@@ -482,11 +481,8 @@ def check_async_tp_equals_one_process(
 
     torch._dynamo.reset()  # no graph compiled by an earlier layout without the pass
     with (
-        # off again on exit; every graph compiled here, none read from the caches (whose
-        # graphs the pass does not see again)
-        inductor_config.patch(_micro_pipeline_tp=False, fx_graph_cache=False),
-        functorch_config.patch(enable_autograd_cache=False),
-        cpu_micro_pipeline_tp() as calls,
+        inductor_config.patch(_micro_pipeline_tp=False),  # off again on exit
+        cpu_micro_pipeline_tp() as calls,  # which compiles every graph (no cache)
         mock.patch.object(async_tp_linear, "async_tp_refusal", lambda device_type: None),
         mock.patch.object(apply, "enable_async_tp", turn_the_pass_on),
         mock.patch.object(post_grad, "micro_pipeline_tp_pass", recorded_pass),

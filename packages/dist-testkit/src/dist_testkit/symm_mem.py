@@ -13,7 +13,9 @@ Inside :func:`cpu_micro_pipeline_tp` the pass's two checks pass, and the fused o
 kernels: torch's own reference implementations of them (``_fused_all_gather_matmul_fallback``,
 ``_fused_matmul_reduce_scatter_fallback``: the all-gather / reduce-scatter as functional
 collectives around plain matmuls, what torch registers for tracing), which gloo runs. Every call
-of a fused kernel is counted, so a test sees that the rewritten graphs ran.
+of a fused kernel is counted, so a test sees that the rewritten graphs ran. Inductor's on-disk
+caches (FX graphs, AOT autograd) are off inside: their key does not include these checks, so a
+graph compiled earlier without them would come back unfused, and the pass would not see it.
 
 Why it is exact: the fallbacks compute the unfused math, the collective and the matmuls, on the
 same inputs; only the overlap of the two, which a CPU does not have, is missing. What it does NOT
@@ -73,12 +75,16 @@ def cpu_micro_pipeline_tp() -> Iterator[Counter[str]]:
             "cpu_micro_pipeline_tp() stands in for async TP's CUDA kernels on a CPU-only "
             "machine; this one has a GPU: run the code on it"
         )
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
     from torch.distributed import _symmetric_memory as symm_mem
 
     _register_cpu_kernels()
     before = Counter(_CALLS)
     calls: Counter[str] = Counter()
     with (
+        inductor_config.patch(fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
         mock.patch.object(dist, "is_nccl_available", lambda: True),
         mock.patch.object(symm_mem, "is_symm_mem_enabled_for_group", lambda group_name: True),
     ):
