@@ -200,7 +200,7 @@ def _write_rows(path: Path, rows: list) -> Path:
         (_ask([{"type": "audio", "path": "x.wav"}], "red"), "unknown type 'audio'"),
         ({"messages": [{"role": "user", "content": "hello"}]}, "no trainable token"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "must have a role in"),
-        ({"text": "no messages"}, "expected a non-empty list under 'messages'"),
+        ({"text": "no messages"}, "expected a conversation under exactly one of 'messages'"),
         (_ask([{"type": "image", "path": "corrupt.png"}], "red"), "unreadable image"),
         (_ask([{"type": "video", "path": "corrupt.mp4"}], "red"), "unreadable video"),
     ],

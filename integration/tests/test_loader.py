@@ -62,8 +62,8 @@ def test_data_ranks_partition_the_step_and_workers_change_nothing(demo):
         ),
         2,
     )
-    rows = [int(d.rsplit(":", 1)[1]) for d in in_order[0][0]]
-    assert rows == list(range(0, 2 * len(rows), 2))  # shard 0: positions 0, 2, 4, ...
+    lines = [int(d.rsplit(":", 1)[1]) for d in in_order[0][0]]  # JSONL rows: FILE:LINE
+    assert lines == list(range(1, 2 * len(lines), 2))  # shard 0: positions 0, 2, 4, ...
 
 
 def test_resumed_stream_continues_exactly(demo):
@@ -134,12 +134,12 @@ def test_bad_rows_raise_or_are_skipped_and_counted(demo, tmp_path):
         "data.pack_length=128",
         "data.shuffle=false",
     )
-    with pytest.raises(DataError, match=r"bad.jsonl:1: missing media file .*images/missing.png"):
+    with pytest.raises(DataError, match=r"bad.jsonl:2: missing media file .*images/missing.png"):
         _stream(demo_recipe(demo, *sets)).next_step()
     skipping = _stream(demo_recipe(demo, *sets, "data.on_bad_row=skip"))
     steps = [skipping.next_step() for _ in range(3)]
     assert sum(s.skipped for s in steps) == 1
-    assert "bad.jsonl:1" not in {d.source for s in steps for row in s.rows for d in row}
+    assert f"{demo}/bad.jsonl:2" not in {d.source for s in steps for row in s.rows for d in row}
 
 
 def test_a_user_iterable_source(demo):
@@ -173,8 +173,9 @@ def test_parquet_files_and_dataset_folders_read_the_same_rows(demo, tmp_path):
     sets = ("data.global_batch=2", "data.pack_length=128", "data.shuffle=false")
     jsonl = _steps(_stream(demo_recipe(demo, *sets)), 2)
     parquet = _steps(_stream(demo_recipe(demo, *sets, f"data.path={demo}/train.parquet")), 2)
-    assert [[[d.rsplit(":", 1)[1] for d in row] for row in step] for step in parquet] == [
-        [[d.rsplit(":", 1)[1] for d in row] for row in step] for step in jsonl
+    # the same rows: parquet's "FILE row I" (0-based) is JSONL's "FILE:LINE" (1-based)
+    assert [[[int(d.rsplit(" ", 1)[1]) for d in row] for row in step] for step in parquet] == [
+        [[int(d.rsplit(":", 1)[1]) - 1 for d in row] for row in step] for step in jsonl
     ]
     # a folder: media paths are relative to it, so copy the rows next to the demo's media
     with pytest.raises(DataError, match="missing media file"):

@@ -14,7 +14,7 @@ import torch
 
 from qwen35_trainer.data.demo import resolve
 from qwen35_trainer.data.loader import DataStream
-from qwen35_trainer.data.sources import open_rows
+from qwen35_trainer.data.files import open_rows
 from qwen35_trainer.parallel import Layout
 
 __all__ = ["DataReport", "check_dataset"]
@@ -70,11 +70,17 @@ def check_dataset(recipe: Any, config: Any, limit: int | None = None) -> DataRep
     if not data.path:
         raise ValueError("data check needs data.path (a data.source iterable is the user's code)")
     path = resolve(data.path)
-    total = len(open_rows(path, data.split)[0])
+    total = len(open_rows(path, data.split))
     count = total if limit is None else min(limit, total)
     checked = dataclasses.replace(recipe, data=dataclasses.replace(data, on_bad_row="skip"))
     stream = DataStream(
-        checked, config, Layout(), torch.device("cpu"), limit=count, max_skipped=None
+        checked,
+        config,
+        Layout(),
+        torch.device("cpu"),
+        limit=count,
+        max_skipped=None,
+        log_skipped=False,  # the report lists them, once
     )
     docs, rows, over = [], 0, 0
     while True:

@@ -1,13 +1,11 @@
 """Conversation rows → documents, through the model's own processor.
 
-A row is ``{"messages": [{"role", "content"}, ...]}`` (optionally ``"tools"``: the function
-schemas the chat template lists); ``content`` is a string or a list of parts
-``{"type": "text", "text"}``, ``{"type": "image", "path"}``, ``{"type": "video", "path"}`` where a
-video ``path`` is a video file (decoded with PyAV) or a list of frame image paths (optionally
-with ``"fps"``, default ``data.frames_fps``). Relative paths are relative to the dataset file.
-Roles: ``system``, ``user``, ``assistant`` (which may carry ``reasoning_content`` and
-``tool_calls``: ``[{"function": {"name", "arguments"}}]``, its content then optional) and
-``tool`` (a tool's result), as the ecosystem's chat format has them.
+A row is any format :mod:`qwen35_trainer.data.formats` reads — messages (the ecosystem's chat
+format), TRL prompt / completion, ShareGPT, Alpaca; media as parts with their own source or as
+placeholders (``{"type": "image"}``, ``<image>``) taking the row's ``images`` / ``videos`` in
+order — normalised into ONE :class:`~qwen35_trainer.data.formats.Conversation` first, so every
+format encodes exactly as the same conversation written as messages. Relative media paths are
+relative to the dataset file; media are read by :mod:`qwen35_trainer.data.media`.
 
 :class:`ConversationEncoder` renders the row ONCE with the processor's chat template
 (``data.chat_template_kwargs`` reach the template, e.g. ``enable_thinking: false``) and runs the
@@ -39,12 +37,10 @@ import torch
 
 from qwen35_trainer.data.batch import IGNORE_INDEX, DataError, Sample
 from qwen35_trainer.data.chat_turns import assistant_spans, template_shape
-from qwen35_trainer.data.media import frame_list_video, open_image, video_file
+from qwen35_trainer.data.formats import Conversation, normalise
+from qwen35_trainer.data.media import open_image, open_video
 
-__all__ = ["ConversationEncoder", "DataError", "TokenIds", "check_messages"]
-
-ROLES = ("system", "user", "assistant", "tool")
-PART_TYPES = ("text", "image", "video")
+__all__ = ["ConversationEncoder", "DataError", "TokenIds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,66 +51,6 @@ class TokenIds:
     video: int
     vision_start: int
     vision_end: int
-
-
-def check_messages(row: Any, where: str) -> list[dict]:
-    """The row's ``messages``, checked: a list of ``{role, content}`` with known roles and parts
-    (an assistant turn with ``tool_calls`` may have no content)."""
-    messages = row.get("messages") if isinstance(row, dict) else None
-    if not isinstance(messages, list) or not messages:
-        raise DataError(
-            f"{where}: expected a non-empty list under 'messages', got {messages!r:.80}"
-        )
-    for t, turn in enumerate(messages):
-        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
-            raise DataError(f"{where}: messages[{t}] must have a role in {ROLES}, got {turn!r:.80}")
-        _check_extras(turn, f"{where}: messages[{t}]")
-        content = turn.get("content")
-        if isinstance(content, str) or (content is None and turn.get("tool_calls")):
-            continue
-        if not isinstance(content, list):
-            raise DataError(f"{where}: messages[{t}].content must be a string or a list of parts")
-        for p, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in PART_TYPES:
-                raise DataError(
-                    f"{where}: messages[{t}].content[{p}] has unknown type {kind!r}; "
-                    f"expected one of {PART_TYPES}"
-                )
-            key = "text" if kind == "text" else "path"
-            value = part.get(key)
-            ok = isinstance(value, str) or (
-                kind == "video"
-                and isinstance(value, list)
-                and value
-                and all(isinstance(v, str) for v in value)
-            )
-            if not ok:
-                raise DataError(
-                    f"{where}: messages[{t}].content[{p}] ({kind}) needs '{key}' "
-                    f"({'a path or a list of frame paths' if kind == 'video' else 'a string'}), "
-                    f"got {value!r:.80}"
-                )
-    return messages
-
-
-def _check_extras(turn: dict, where: str) -> None:
-    """An assistant turn's ``reasoning_content`` is a string and its ``tool_calls`` name their
-    functions; other roles carry neither."""
-    reasoning, calls = turn.get("reasoning_content"), turn.get("tool_calls")
-    if turn["role"] != "assistant" and (reasoning is not None or calls):
-        raise DataError(f"{where}: only assistant turns have reasoning_content / tool_calls")
-    if reasoning is not None and not isinstance(reasoning, str):
-        raise DataError(f"{where}.reasoning_content must be a string, got {reasoning!r:.80}")
-    if calls is None:
-        return
-    for c, call in enumerate(calls if isinstance(calls, list) else [None]):
-        function = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise DataError(
-                f"{where}.tool_calls[{c}] must be {{'function': {{'name': str, "
-                f"'arguments': ...}}}}, got {call!r:.80}"
-            )
 
 
 class ConversationEncoder:
@@ -193,10 +129,10 @@ class ConversationEncoder:
         return {**self.__dict__, "_processor": None}
 
     def __call__(self, row: Any, where: str, base: Path) -> Sample:
-        messages = check_messages(row, where)
+        conversation = normalise(row, where)
         processor = self.processor
-        pieces, trained = self._pieces(messages, row.get("tools"), where)
-        images, videos, metadata = self._media(messages, where, base)
+        pieces, trained = self._pieces(conversation.messages, conversation.tools, where)
+        images, videos, metadata = self._media(conversation, where, base)
         kwargs: dict[str, Any] = {}
         if videos:
             kwargs = {"videos": videos, "video_metadata": metadata, "do_sample_frames": False}
@@ -268,26 +204,16 @@ class ConversationEncoder:
             trained.append(every)
         return pieces, trained
 
-    def _media(self, messages: list[dict], where: str, base: Path):
-        images, videos, metadata = [], [], []
-        for turn in messages:
-            if isinstance(turn["content"], str):
-                continue
-            for part in turn["content"]:
-                if part["type"] == "image":
-                    images.append(open_image(base, part["path"], where))
-                elif part["type"] == "video":
-                    frames, meta = self._video(base, part, where)
-                    videos.append(frames)
-                    metadata.append(meta)
-        return images, videos, metadata
-
-    def _video(self, base: Path, part: dict, where: str):
+    def _media(self, conversation: Conversation, where: str, base: Path):
+        images = [open_image(base, source, where) for source in conversation.images]
+        videos, metadata = [], []
         sample = self.processor.video_processor.sample_frames
-        if isinstance(part["path"], list):
-            fps = float(part.get("fps", self.frames_fps))
-            return frame_list_video(base, part["path"], fps, sample, self.video_fps, where)
-        return video_file(base, part["path"], sample, self.video_fps, where)
+        for video in conversation.videos:
+            fps = self.frames_fps if video.fps is None else video.fps
+            frames, meta = open_video(base, video.source, fps, sample, self.video_fps, where)
+            videos.append(frames)
+            metadata.append(meta)
+        return images, videos, metadata
 
 
 def load_processor(folder: str, ids: TokenIds, config: Any):

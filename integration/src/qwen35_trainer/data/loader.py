@@ -135,7 +135,8 @@ class DataStream:
     (``data.eval_path``, in file order, from its start); ``limit``: read only the stream's
     first ``limit`` positions (one pass over them: ``data check``; the rows then end, and the
     steps after are empty); ``max_skipped``: bad rows one step may skip before it fails
-    (``None``: no limit)."""
+    (``None``: no limit); ``log_skipped``: log each skipped bad row (they are also kept in
+    :attr:`skipped`)."""
 
     def __init__(
         self,
@@ -147,6 +148,7 @@ class DataStream:
         eval: bool = False,
         limit: int | None = None,
         max_skipped: int | None = MAX_SKIPPED_PER_STEP,
+        log_skipped: bool = True,
     ) -> None:
         data = recipe.data
         self.data, self.layout, self.device = data, layout, device
@@ -162,7 +164,7 @@ class DataStream:
             "seed": data.seed,
             "limit": limit,
         }
-        self.max_skipped = max_skipped
+        self.max_skipped, self.log_skipped = max_skipped, log_skipped
         self.skipped: list[str] = []  # the bad rows skipped so far (data.on_bad_row: skip)
         dp = layout.data_groups
         self.shard_count = data.rows_per_step(dp)
@@ -267,7 +269,8 @@ class DataStream:
             if self.data.on_bad_row == "raise":
                 self.next_j[shard] = j  # not consumed: a resumed run meets it again
                 return str(item)
-            logger.warning("skipping a bad row: %s", item)
+            if self.log_skipped:
+                logger.warning("skipping a bad row: %s", item)
             counts["skipped"] += 1
             self.skipped.append(str(item))
             if self.max_skipped is not None and counts["skipped"] > self.max_skipped:

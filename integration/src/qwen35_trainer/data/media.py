@@ -1,38 +1,77 @@
-"""Reading media for the processor: images with Pillow, videos as frame-image lists or video
+"""Reading media for the processor: images with Pillow, videos as lists of frames or video
 files decoded with PyAV. Only the frames the processor's sampler picks are kept; the metadata
 handed on (``fps``, ``frames_indices``) is what Qwen3.5's processor turns into frame timestamps.
-Every failure raises :class:`~qwen35_trainer.data.batch.DataError` naming the row and the media
-file.
+
+A source (:mod:`qwen35_trainer.data.formats`) is a file path relative to ``base`` (the dataset
+file's folder), ``{"bytes", "path"}`` as ``datasets``' ``Image`` / ``Video`` columns store them
+(the bytes when present, else the path), raw bytes, or for an image a PIL image. Every failure
+raises :class:`~qwen35_trainer.data.batch.DataError` naming the row and the media.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from qwen35_trainer.data.batch import DataError
 
-__all__ = ["frame_list_video", "open_image", "video_file"]
+__all__ = ["frame_list_video", "open_image", "open_video", "video_file"]
 
 
-def _error(where: str, path: Path, what: str) -> DataError:
+def _error(where: str, path: Any, what: str) -> DataError:
     return DataError(f"{where}: {what} {path}")
 
 
-def open_image(base: Path, path: str, where: str):
-    """The RGB image at ``base / path``."""
-    from PIL import Image, UnidentifiedImageError
-
-    full = base / path
+def _file_or_bytes(base: Path, source: Any, where: str) -> tuple[Any, str]:
+    """``(a file path or a binary stream, its name for messages)`` of a source."""
+    if isinstance(source, dict):
+        data, path = source.get("bytes"), source.get("path")
+        if data is None and path is None:
+            raise _error(where, source, "a media source with neither 'bytes' nor 'path':")
+        source = data if data is not None else path
+    if isinstance(source, (bytes, bytearray)):
+        return io.BytesIO(source), f"(embedded, {len(source)} bytes)"
+    if not isinstance(source, (str, Path)):
+        raise _error(
+            where,
+            type(source).__name__,
+            "unknown media source: expected a path, bytes or an image, got",
+        )
+    full = base / source
     if not full.is_file():
         raise _error(where, full, "missing media file")
+    return full, str(full)
+
+
+def open_image(base: Path, source: Any, where: str):
+    """The RGB image of ``source`` (a path relative to ``base``, ``{"bytes", "path"}``, bytes or
+    a PIL image)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    opened, name = _file_or_bytes(base, source, where)
     try:
-        with Image.open(full) as image:
+        with Image.open(opened) as image:
             return image.convert("RGB")
     except (OSError, UnidentifiedImageError) as error:
-        raise _error(where, full, f"unreadable image ({error}):") from error
+        raise _error(where, name, f"unreadable image ({error}):") from error
+
+
+def open_video(
+    base: Path, source: Any, fps: float, sample: Callable, video_fps: float | None, where: str
+):
+    """``(frames [T, H, W, 3] uint8, metadata)`` of a video: a list of frames (paths or images,
+    at ``fps``) or a video file (a path, ``{"bytes", "path"}`` or bytes)."""
+    if isinstance(source, list):
+        if not source:
+            raise _error(where, "[]", "a video with no frames:")
+        return frame_list_video(base, source, fps, sample, video_fps, where)
+    return video_file(base, source, sample, video_fps, where)
 
 
 def _metadata(total: int, fps: float, sample: Callable, video_fps: float | None):
@@ -45,29 +84,30 @@ def _metadata(total: int, fps: float, sample: Callable, video_fps: float | None)
 
 
 def frame_list_video(
-    base: Path, paths: list[str], fps: float, sample: Callable, video_fps: float | None, where: str
+    base: Path, frames: list, fps: float, sample: Callable, video_fps: float | None, where: str
 ):
-    """``(frames [T, H, W, 3] uint8, metadata)`` of a video given as frame images at ``fps``."""
-    meta = _metadata(len(paths), fps, sample, video_fps)
-    frames = [np.asarray(open_image(base, paths[i], where)) for i in meta.frames_indices]
-    if len({f.shape for f in frames}) > 1:
-        raise _error(where, base / paths[0], "frames of different sizes in the video starting at")
-    return np.stack(frames), meta
+    """``(frames [T, H, W, 3] uint8, metadata)`` of a video given as frame images at ``fps``
+    (each an image source, :func:`open_image`)."""
+    meta = _metadata(len(frames), fps, sample, video_fps)
+    kept = [np.asarray(open_image(base, frames[i], where)) for i in meta.frames_indices]
+    if len({f.shape for f in kept}) > 1:
+        first = frames[0] if isinstance(frames[0], str) else "(frame 0)"
+        raise _error(where, first, "frames of different sizes in the video starting at")
+    return np.stack(kept), meta
 
 
-def video_file(base: Path, path: str, sample: Callable, video_fps: float | None, where: str):
+def video_file(base: Path, source: Any, sample: Callable, video_fps: float | None, where: str):
     """``(frames [T, H, W, 3] uint8, metadata)`` of the frames the sampler picks from a video
-    file, decoded in one pass with PyAV keeping only those (all of them where the container
-    does not say how many frames it has)."""
-    full = base / path
-    if not full.is_file():
-        raise _error(where, full, "missing media file")
+    file (a path relative to ``base``, ``{"bytes", "path"}`` or bytes), decoded in one pass with
+    PyAV keeping only those (all of them where the container does not say how many frames it
+    has)."""
+    full, name = _file_or_bytes(base, source, where)
     try:
         import av
     except ImportError as error:
-        raise _error(where, full, "decoding a video file needs PyAV (pip install av):") from error
+        raise _error(where, name, "decoding a video file needs PyAV (pip install av):") from error
     try:
-        with av.open(str(full)) as container:
+        with av.open(full if isinstance(full, io.BytesIO) else str(full)) as container:
             stream = container.streams.video[0]
             fps = float(stream.average_rate or stream.guessed_rate or 0) or 24.0
             total = stream.frames  # 0 where the container does not say
@@ -79,12 +119,12 @@ def video_file(base: Path, path: str, sample: Callable, video_fps: float | None,
                 if keep is None or k in keep
             }
     except (av.FFmpegError, IndexError) as error:
-        raise _error(where, full, f"unreadable video ({error}):") from error
+        raise _error(where, name, f"unreadable video ({error}):") from error
     if not decoded:
-        raise _error(where, full, "no frames in video")
+        raise _error(where, name, "no frames in video")
     if meta is None:
         meta = _metadata(len(decoded), fps, sample, video_fps)
     missing = [i for i in meta.frames_indices if i not in decoded]
     if missing:
-        raise _error(where, full, f"frames {missing[:4]} listed by the container are not in")
+        raise _error(where, name, f"frames {missing[:4]} listed by the container are not in")
     return np.stack([decoded[i] for i in meta.frames_indices]), meta

@@ -1,5 +1,5 @@
 """Where a rank's documents come from, in the global stream's order: a JSONL / JSON / Parquet
-file (or a folder) read with Hugging Face ``datasets`` (memory-mapped Arrow), or a
+file (or a folder) read row by row (:mod:`qwen35_trainer.data.files`), or a
 ``data.source`` iterable (``"package.module:callable"``, imported and called — in the loader's
 worker processes too — so a recipe naming one runs that code).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,33 +21,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from qwen35_trainer.data.conversation import ConversationEncoder, DataError
+from qwen35_trainer.data.files import open_rows
 
-__all__ = ["RankDocuments", "open_rows"]
-
-
-def open_rows(path: str, split: str = "train"):
-    """The rows of a JSONL / JSON / Parquet file (or a directory ``datasets`` can load), read
-    with Hugging Face ``datasets`` (memory-mapped Arrow), and the folder media paths are
-    relative to."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    file = Path(path)
-    if not file.exists():
-        raise DataError(f"data file {path} does not exist")
-    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-    try:
-        if file.is_dir():
-            rows = datasets.load_dataset(str(file), split=split)
-            return rows, file
-        if file.suffix not in builders:
-            raise DataError(f"data file {path}: expected .jsonl, .json or .parquet")
-        rows = datasets.load_dataset(builders[file.suffix], data_files=str(file), split="train")
-    except (datasets.exceptions.DatasetGenerationError, ValueError) as error:
-        if isinstance(error, DataError):
-            raise
-        raise DataError(f"data file {path} cannot be read: {error}") from error
-    return rows, file.parent
+__all__ = ["RankDocuments"]
 
 
 def _user_source(source: str):
@@ -92,18 +68,17 @@ class RankDocuments(IterableDataset):
         else:
             yield from self._from_file(mine)
 
-    def _encode(self, shard: int, j: int, row: Any, name: str, base: Path):
+    def _encode(self, shard: int, j: int, read: Callable[[], Any], name: str, base: Path):
+        """``(shard, j, the document read by read() and encoded, or its DataError)``."""
         try:
-            return shard, j, self.encoder(row, name, base)
+            return shard, j, self.encoder(read(), name, base)
         except DataError as error:
             return shard, j, error
 
     def _from_file(self, mine: Iterator[tuple[int, int, int]]):
         reading = self.reading
-        rows, base = open_rows(reading["path"], reading.get("split", "train"))
+        rows = open_rows(reading["path"], reading.get("split", "train"))
         n = len(rows)
-        if n == 0:
-            raise DataError(f"data file {reading['path']} has no rows")
         epoch, order = -1, range(n)
         for shard, j, position in mine:
             e, i = divmod(position, n)
@@ -111,7 +86,8 @@ class RankDocuments(IterableDataset):
                 g = torch.Generator().manual_seed(reading.get("seed", 0) * 1_000_003 + e)
                 order = torch.randperm(n, generator=g).tolist()
             epoch = e
-            yield self._encode(shard, j, rows[order[i]], f"{reading['path']}:{order[i]}", base)
+            k = order[i]
+            yield self._encode(shard, j, lambda k=k: rows.row(k), rows.name(k), rows.base)
 
     def _from_source(self, mine: Iterator[tuple[int, int, int]]):
         """The iterable's items in order (read again from the start when it ends); every
@@ -124,7 +100,8 @@ class RankDocuments(IterableDataset):
             for row in make():
                 empty = False
                 if g == want:
-                    yield self._encode(shard, j, row, f"{reading['source']}:{g}", Path.cwd())
+                    name = f"{reading['source']}:{g}"
+                    yield self._encode(shard, j, lambda row=row: row, name, Path.cwd())
                     shard, j, want = next(mine)
                 g += 1
             if empty:

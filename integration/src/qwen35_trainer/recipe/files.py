@@ -1,10 +1,12 @@
 """Recipe files: YAML read into the schema (:mod:`.schema`), with ``base:`` derivation, ``--set``
-overrides, YAML 1.1 number strings read as numbers, the built-in recipes by name, and
+overrides, YAML 1.1 number strings read as numbers, the built-in recipes by name, the input
+paths made absolute (:data:`INPUT_PATHS`: relative to the recipe file that states them), and
 ``model.path``'s ``config.json`` applied (:mod:`.model_path`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -20,6 +22,10 @@ from qwen35_trainer.recipe.schema import Recipe
 __all__ = ["BUILTIN_RECIPES", "builtin_recipes", "load_recipe", "recipe_from_dict", "recipe_path"]
 
 
+# The paths a recipe reads from: relative ones are relative to the recipe file that states them
+# (a command-line override's to the working directory); the run's outputs (train.output_dir,
+# checkpoint_dir, export_dir) are relative to the working directory.
+INPUT_PATHS = {"model": ("path", "weights"), "data": ("path", "eval_path", "processor")}
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
 
@@ -34,6 +40,20 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _anchored(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``data`` with the relative paths it reads from (:data:`INPUT_PATHS`) made absolute
+    against ``folder`` (``~`` expanded; ``builtin:`` paths and absolute ones unchanged)."""
+    for section, keys in INPUT_PATHS.items():
+        values = data.get(section)
+        if not isinstance(values, dict):
+            continue
+        for key in keys:
+            value = values.get(key)
+            if isinstance(value, str) and value and not value.startswith("builtin:"):
+                values[key] = os.path.normpath(folder / Path(value).expanduser())
+    return data
+
+
 def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = path.resolve()
     if path in seen:
@@ -41,6 +61,7 @@ def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
+    data = _anchored(data, path.parent)
     base = data.pop("base", None)
     if base is None:
         return data
@@ -56,7 +77,7 @@ def _override(data: dict[str, Any], item: str) -> dict[str, Any]:
     nested = {leaf: nested}
     for parent in reversed(parents):
         nested = {parent: nested}
-    return _merge(data, nested)
+    return _merge(data, _anchored(nested, Path.cwd()))
 
 
 def _coerce(where: str, hint: Any, value: Any) -> Any:

@@ -1,0 +1,197 @@
+"""A dataset file as rows, each read on its own, so rows need not share a schema.
+
+Conversation datasets are heterogeneous: one row has ``tools`` or ``images``, the next has not;
+one turn's ``content`` is a string, the next a list of parts. Reading such a file into one
+Arrow table infers a schema from its first rows and fails (or fills ``None`` for keys a row
+never had), so JSON is parsed row by row here:
+
+- ``.jsonl`` (and a ``.json`` file that does not start with ``[``): one JSON object per line,
+  blank lines skipped. The lines are read with Hugging Face ``datasets``' ``text`` builder
+  (memory-mapped Arrow, one cached copy shared by every process that reads the file) and each
+  is parsed when it is read. A row is named ``FILE:LINE`` (1-based, as editors count).
+- ``.json`` starting with ``[``: a JSON array of row objects, parsed whole (every reading
+  process holds it in memory: prefer JSON Lines for large datasets). A row is ``FILE row I``.
+- ``.parquet`` or a folder ``datasets`` can load (``data.split``): Arrow with the file's own
+  schema. Rows are read as Arrow stores them, media undecoded (``datasets``' ``Image`` /
+  ``Video`` columns give ``{"bytes", "path"}``), so a bad picture is a bad row, not an
+  exception inside ``datasets``. A row is ``FILE row I`` (0-based).
+
+Every fault — a missing file, an unknown extension, a file with no rows, invalid JSON (with its
+line and column), a row that is not an object — is a
+:class:`~qwen35_trainer.data.batch.DataError` naming the file and, for a row, the row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qwen35_trainer.data.batch import DataError
+
+__all__ = ["RowFile", "open_rows"]
+
+_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class RowFile:
+    """The rows of one dataset file: ``len(rows)``, ``rows.row(i)`` (a dict; ``DataError``
+    naming the row when it is not one) and ``rows.name(i)``; ``base``: the folder relative
+    media paths are resolved against (the file's own folder, or the dataset folder)."""
+
+    def __init__(self, path: Path, base: Path) -> None:
+        self.path, self.base = path, base
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def name(self, i: int) -> str:
+        return f"{self.path} row {i}"
+
+    def _raw(self, i: int) -> Any:
+        raise NotImplementedError
+
+    def row(self, i: int) -> dict:
+        value = self._raw(i)
+        if not isinstance(value, dict):
+            raise DataError(
+                f"{self.name(i)}: expected a JSON object (one conversation), "
+                f"got {type(value).__name__} {value!r:.60}"
+            )
+        return value
+
+
+class _JsonLines(RowFile):
+    def __init__(self, path: Path) -> None:
+        import datasets
+        import pyarrow.compute as pc
+
+        super().__init__(path, path.parent)
+        features = datasets.Features({"text": datasets.Value("string")})
+        try:
+            lines = datasets.load_dataset(
+                "text", data_files=str(path), split="train", features=features
+            )
+        except (datasets.exceptions.DatasetGenerationError, ValueError) as error:
+            raise DataError(f"data file {path} cannot be read as text lines: {error}") from error
+        self._lines = lines
+        column = lines.data.column("text")
+        blank = pc.equal(pc.utf8_trim_whitespace(column), "")
+        # row i is line _line[i] (0-based): the lines that hold something
+        self._line = np.flatnonzero(~blank.to_numpy(zero_copy_only=False))
+
+    def __len__(self) -> int:
+        return len(self._line)
+
+    def name(self, i: int) -> str:
+        return f"{self.path}:{int(self._line[i]) + 1}"
+
+    def _raw(self, i: int) -> Any:
+        text = self._lines[int(self._line[i])]["text"]
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as error:
+            raise DataError(
+                f"{self.name(i)}: invalid JSON ({error.msg} at column {error.colno})"
+            ) from error
+
+
+class _JsonArray(RowFile):
+    def __init__(self, path: Path, text: str) -> None:
+        super().__init__(path, path.parent)
+        try:
+            self._rows = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise DataError(
+                f"data file {path}: invalid JSON ({error.msg} at line {error.lineno} column "
+                f"{error.colno})"
+            ) from error
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _raw(self, i: int) -> Any:
+        return self._rows[i]
+
+
+def _media_undecoded(feature: Any) -> Any:
+    """``feature`` with every media feature (``Image``, ``Video``, ``Audio``, …: a ``decode``
+    flag, ``Json`` aside) set not to decode, at any depth."""
+    import datasets
+
+    if isinstance(feature, dict):
+        return datasets.Features({k: _media_undecoded(v) for k, v in feature.items()})
+    if isinstance(feature, list):
+        return [_media_undecoded(v) for v in feature]
+    if isinstance(feature, (datasets.List, datasets.LargeList)):
+        return dataclasses.replace(feature, feature=_media_undecoded(feature.feature))
+    if hasattr(feature, "decode") and not isinstance(feature, datasets.Json):
+        return dataclasses.replace(feature, decode=False)
+    return feature
+
+
+class _Arrow(RowFile):
+    def __init__(self, path: Path, base: Path, table: Any) -> None:
+        super().__init__(path, base)
+        self._table = table.with_format("arrow")
+        # decoded as the file's features say (Json columns parsed), media left as stored
+        self._features = _media_undecoded(table.features)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def _raw(self, i: int) -> Any:
+        return self._features.decode_example(self._table[i].to_pylist()[0])
+
+
+def _first_byte(path: Path) -> bytes:
+    """The file's first byte that is not whitespace (``b""``: none)."""
+    with open(path, "rb") as file:
+        while chunk := file.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[:1]
+    return b""
+
+
+def _arrow(path: Path, split: str) -> RowFile:
+    import datasets
+
+    try:
+        if path.is_dir():
+            return _Arrow(path, path, datasets.load_dataset(str(path), split=split))
+        table = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except (datasets.exceptions.DatasetGenerationError, ValueError) as error:
+        raise DataError(f"data file {path} cannot be read: {error}") from error
+    return _Arrow(path, path.parent, table)
+
+
+def open_rows(path: str, split: str = "train") -> RowFile:
+    """The rows of a JSONL / JSON / Parquet file or a folder ``datasets`` loads (its
+    ``split``); ``DataError`` when it is missing, unreadable or has no rows."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    file = Path(path)
+    if not file.exists():
+        raise DataError(f"data file {path} does not exist")
+    if file.is_dir() or file.suffix == ".parquet":
+        rows = _arrow(file, split)
+    elif file.suffix not in _SUFFIXES:
+        raise DataError(f"data file {path}: expected .jsonl, .json or .parquet, or a folder")
+    elif not _first_byte(file):
+        raise DataError(f"data file {path} has no rows (it is empty)")
+    elif file.suffix == ".json" and _first_byte(file) == b"[":
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise DataError(f"data file {path} is not UTF-8 text: {error}") from error
+        rows = _JsonArray(file, text)
+    else:
+        rows = _JsonLines(file)
+    if len(rows) == 0:
+        raise DataError(f"data file {path} has no rows")
+    return rows
