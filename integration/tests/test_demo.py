@@ -60,7 +60,7 @@ def test_make_demo_and_check(tmp_path, capsys):
         )
     assert main(["data", "check", "tiny", *(a for s in sets for a in ("--set", s))]) == 3
     out = capsys.readouterr().out
-    assert "bad row     " in out and "train.jsonl:30: missing media file" in out
+    assert "bad row     " in out and "train.jsonl:31: missing media file" in out
 
 
 def test_documented_rows_encode(tmp_path):
