@@ -226,29 +226,51 @@ def _plan_main(argv: list[str]) -> int:
 
 
 def _export_main(argv: list[str]) -> int:
-    """``qwen35-train export RECIPE CHECKPOINT OUT`` (:mod:`qwen35_trainer.train.export`); exit
-    0, or 2 with the reason (bad recipe, no checkpoint there, a damaged checkpoint, one of
-    another model)."""
+    """``qwen35-train export RECIPE CHECKPOINT OUT [--overwrite] [--experts L] [--dtype D]``
+    (:mod:`qwen35_trainer.train.export`); exit 0, or 2 with the reason (bad recipe, no
+    checkpoint there, a damaged checkpoint, one of another model, a folder that is not
+    empty)."""
+    from qwen35_trainer.train.export import DTYPES, EXPERT_LAYOUTS
+
     parser = argparse.ArgumentParser(
         prog="qwen35-train export",
-        description="A training checkpoint as a transformers checkpoint directory.",
+        description="A training checkpoint as a transformers checkpoint folder: the weights in "
+        "the source checkpoint's expert layout and dtype, config.json, and the source's "
+        "processor, tokenizer, chat template and generation config.",
     )
     add_recipe_arguments(parser, recipe_help="the recipe the checkpoint was trained with")
     parser.add_argument("checkpoint", type=Path, help="a step_NNNNNN directory or its parent")
-    parser.add_argument("out", type=Path, help="the transformers checkpoint directory to write")
+    parser.add_argument("out", type=Path, help="the folder to write (new or empty)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a folder that is not empty, removing the weights it holds first",
+    )
+    parser.add_argument(
+        "--experts",
+        choices=EXPERT_LAYOUTS,
+        default="source",
+        help="the routed experts' layout (default: the source checkpoint's, stacked without one)",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, help="the weights' dtype (default: the source checkpoint's)"
+    )
     args = parser.parse_args(argv)
-    from qwen35_trainer.train.export import export_checkpoint, resolve_checkpoint
+    from qwen35_trainer.train.export import ExportOptions, export_checkpoint, resolve_checkpoint
 
     logging.basicConfig(level=logging.WARNING, format="qwen35-train export: %(message)s")
+    options = ExportOptions(overwrite=args.overwrite, experts=args.experts, dtype=args.dtype)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         checkpoint = resolve_checkpoint(args.checkpoint)
-        step = export_checkpoint(recipe, checkpoint, args.out)
+        step, notes = export_checkpoint(recipe, checkpoint, args.out, options)
     except (OSError, ValueError) as err:
         print(f"qwen35-train export: {err}", file=sys.stderr)
         return EXIT_BAD_RECIPE
     if os.environ.get("RANK", "0") == "0":
         print(f"exported step {step} of {checkpoint} to {args.out}")
+        for note in notes:
+            print(f"  {note}")
     return 0
 
 

@@ -12,8 +12,9 @@ the routed experts, which come in two layouts:
   ``cat(gate_e, up_e)`` along its rows (transformers' own conversion, checked by the tests
   against ``from_pretrained``).
 
-Both load. On export (:func:`on_disk`) the decoder's experts are written stacked, the MTP head's
-per expert: the public checkpoints' layout, which the servers' MTP loaders read.
+Both load. On export (:func:`on_disk`) the decoder's experts are written stacked or per expert
+(the source checkpoint's layout, :func:`expert_layout`, unless asked otherwise), the MTP
+head's always per expert: the public checkpoints' layout, which the servers' MTP loaders read.
 
 Multi-token-prediction tensors (``mtp.*``) load like the rest when the model has its MTP head
 (:mod:`qwen35_trainer.model.mtp`); a model without one (``model.mtp_layers: 0``) reports and
@@ -31,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointFiles", "StateDictAdapter", "on_disk"]
+__all__ = ["CheckpointFiles", "StateDictAdapter", "expert_layout", "on_disk"]
 
 _STACKED = re.compile(r"^(?P<base>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 
 RowReader = Callable[[int, int], torch.Tensor]
 
@@ -41,13 +43,14 @@ RowReader = Callable[[int, int], torch.Tensor]
 _PER_EXPERT_ON_DISK = "mtp."
 
 
-def on_disk(name: str, shape: tuple[int, ...]):
+def on_disk(name: str, shape: tuple[int, ...], *, per_expert: bool = False):
     """How runtime tensor ``name`` (full shape ``shape``) is written: ``[(disk name, disk
     shape, take)]`` where ``take(full)`` cuts that tensor out of the full runtime tensor —
-    itself, or for the MTP head's stacked experts one tensor per expert and projection (expert
-    ``e``'s ``gate_proj`` / ``up_proj`` the first / second half of ``gate_up_proj[e]``'s rows)."""
+    itself, or for stacked experts written per expert (the MTP head's always, the decoder's
+    with ``per_expert``) one tensor per expert and projection (expert ``e``'s ``gate_proj`` /
+    ``up_proj`` the first / second half of ``gate_up_proj[e]``'s rows)."""
     stacked = _STACKED.match(name)
-    if stacked is None or not name.startswith(_PER_EXPERT_ON_DISK):
+    if stacked is None or not (per_expert or name.startswith(_PER_EXPERT_ON_DISK)):
         return [(name, tuple(shape), lambda full: full)]
     experts, rows, cols = shape
     base = stacked["base"]
@@ -190,3 +193,14 @@ class StateDictAdapter:
         rest = sorted(set(self.files.where) - self.used)
         skipped = [k for k in rest if self.skipped and k.startswith(self.skipped)]
         return skipped, [k for k in rest if not (self.skipped and k.startswith(self.skipped))]
+
+
+def expert_layout(files: CheckpointFiles) -> str | None:
+    """How ``files`` store the decoder's routed experts: ``"per_expert"``, ``"stacked"``, or
+    ``None`` when they hold no expert tensor (the MTP head's own layout does not count)."""
+    decoder = [key for key in files.where if not key.startswith(_PER_EXPERT_ON_DISK)]
+    if any(_PER_EXPERT.search(key) for key in decoder):
+        return "per_expert"
+    if any(_STACKED.match(key) for key in decoder):
+        return "stacked"
+    return None

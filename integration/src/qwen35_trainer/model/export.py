@@ -8,16 +8,19 @@ order on every rank, a sharded parameter is reassembled (:func:`fsdp_compat.full
 right for FSDP2's and megatron-fsdp's shards alike: one tensor at a
 time, so memory is bounded by one tensor plus the file being filled) and kept only by its
 owner, which writes each of its files as soon as it is full. Rank 0 writes the index
-(``model.safetensors.index.json``) and ``config.json``. The tensors keep their runtime names
-and layouts (stacked experts), which transformers' ``from_pretrained`` loads as they are —
-except the multi-token-prediction head's experts, written per expert as the public checkpoints
-hold them (:func:`qwen35_trainer.model.adapter.on_disk`; transformers ignores ``mtp.*``, the
-inference servers' MTP loaders read it), and ``config.json`` states the head's depth
-(``mtp_num_hidden_layers``).
+(``model.safetensors.index.json``) and ``config.json`` (with ``architectures`` and ``dtype``,
+which servers read). The tensors keep their runtime names; the routed experts are written
+stacked (the runtime layout) or, with ``per_expert``, one tensor per expert and projection, as
+transformers' ``save_pretrained`` and most published checkpoints hold them — both load in
+``from_pretrained``. The multi-token-prediction head's experts are always per expert, as the
+public checkpoints hold them (:func:`qwen35_trainer.model.adapter.on_disk`; transformers
+ignores ``mtp.*``, the inference servers' MTP loaders read it), and ``config.json`` states the
+head's depth (``mtp_num_hidden_layers``). ``dtype`` casts every tensor as it is written.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -33,6 +36,8 @@ from qwen35_trainer.model.params import named_parameters
 __all__ = ["export_hf", "export_plan"]
 
 MAX_FILE_BYTES = 2 << 30
+# transformers' class of the trained model (``type(model)`` is FSDP2's subclass of it once sharded)
+ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
 
 
 def export_plan(
@@ -61,17 +66,26 @@ def _file_name(number: int, total: int) -> str:
     return f"model-{number:05d}-of-{total:05d}.safetensors"
 
 
-def export_hf(model: nn.Module, path: str | Path, *, max_file_bytes: int = MAX_FILE_BYTES) -> None:
-    """Every rank calls this (module docstring); returns when the directory is complete."""
+def export_hf(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    max_file_bytes: int = MAX_FILE_BYTES,
+    per_expert: bool = False,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Every rank calls this (module docstring); returns when the directory is complete.
+    ``dtype``: the tensors' dtype on disk (default: the parameters')."""
     from safetensors.torch import save_file
 
     path = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     params = [(name, param) for name, _, _, param in named_parameters(model)]
-    written = [on_disk(name, tuple(p.shape)) for name, p in params]
+    dtype = dtype or params[0][1].dtype
+    written = [on_disk(name, tuple(p.shape), per_expert=per_expert) for name, p in params]
     entries = [
-        (disk, math.prod(shape) * p.dtype.itemsize)
+        (disk, math.prod(shape) * dtype.itemsize)
         for (_, p), tensors in zip(params, written, strict=True)
         for disk, shape, _ in tensors
     ]
@@ -96,7 +110,7 @@ def export_hf(model: nn.Module, path: str | Path, *, max_file_bytes: int = MAX_F
                 )
                 pending = {}
             current = number
-            pending[disk] = take(full).detach().to("cpu", copy=True).contiguous()
+            pending[disk] = take(full).detach().to("cpu", dtype, copy=True).contiguous()
     if pending:
         save_file(pending, str(path / _file_name(current, total)), metadata={"format": "pt"})
     if rank == 0:
@@ -109,6 +123,9 @@ def export_hf(model: nn.Module, path: str | Path, *, max_file_bytes: int = MAX_F
             "weight_map": weight_map,
         }
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        model.config.save_pretrained(str(path))
+        config = copy.deepcopy(model.config)
+        config.architectures = [ARCHITECTURE]
+        config.dtype = dtype
+        config.save_pretrained(str(path))
     if dist.is_initialized():
         dist.barrier()

@@ -252,7 +252,10 @@ class TrainRecipe:
     ``stop`` ends the run naming the step and its documents, ``skip`` drops the step and goes
     on, stopping after ``max_skipped_steps`` skipped steps in a row
     (:mod:`qwen35_trainer.train.nonfinite`).
-    ``export_dir``: write the trained model there as a transformers checkpoint. ``dtype``:
+    ``export_dir``: write the trained model there as a transformers checkpoint folder, beside
+    the source's processor (:mod:`qwen35_trainer.train.export`); a folder that is not empty is
+    refused before training starts unless ``export_overwrite``, which replaces the weights it
+    holds. ``dtype``:
     ``float32``, or ``bfloat16`` parameters and compute with fp32 master weights and fp32
     gradient reduction (FSDP2 mixed precision; loss, router and Gated DeltaNet statistics stay
     fp32). ``grad_accum_steps``: micro-batches per optimizer step (each rank's samples split
@@ -284,6 +287,7 @@ class TrainRecipe:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     export_dir: str | None = None
+    export_overwrite: bool = False
     log_every: int = 1
     dtype: str = "float32"
     grad_accum_steps: int = 1

@@ -1,4 +1,20 @@
-"""A training checkpoint as a transformers checkpoint directory (``qwen35-train export``).
+"""The trained model as a folder a server or ``from_pretrained`` loads as it is: ``qwen35-train
+export`` (a training checkpoint) and ``train.export_dir`` (the end of a run).
+
+The folder mirrors the source checkpoint (``model.path`` / ``model.weights``): its routed
+experts in the source's layout (per expert or stacked, :func:`~qwen35_trainer.model.adapter.
+expert_layout`; ``experts`` overrides), its ``dtype`` (``config.json``'s; ``dtype``
+overrides, else the trained weights' own), ``config.json`` with ``architectures`` and
+``dtype``, and beside the weights the source's processor — tokenizer, chat template, image and
+video processors (``model.path``, else ``data.processor``), saved by ``AutoProcessor`` — and
+its ``generation_config.json``. A recipe without a processor gets the weights only, and the
+notes say so.
+
+A folder that is not empty is refused (it may hold another checkpoint's weights, which
+``from_pretrained`` would load instead of the new ones: a lone ``model.safetensors`` is read
+before an index). With ``overwrite`` the weight files it holds — ``*.safetensors``, their
+index, ``pytorch_model*.bin`` and theirs — are removed first (and named in the notes); its
+other files stay. Every rank checks the folder and the ranks agree before anyone writes.
 
 ``checkpoint`` is one ``step_NNNNNN`` directory (verified against its manifest: a damaged one is
 an error) or a checkpoint directory (its newest intact checkpoint is taken). The recipe gives the
@@ -10,18 +26,158 @@ gathering (:func:`qwen35_trainer.model.export_hf`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import shutil
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qwen35_trainer.data.demo import resolve
 from qwen35_trainer.model import build_training_model, export_hf
-from qwen35_trainer.parallel.dist import device, init_distributed, world
+from qwen35_trainer.model.adapter import CheckpointFiles, expert_layout
+from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.recipe import ParallelRecipe, Recipe
 from qwen35_trainer.train.checkpoint import checkpoints_in, load_model_weights, newest_loadable
 from qwen35_trainer.train.integrity import MANIFEST
 
-__all__ = ["export_checkpoint", "resolve_checkpoint"]
+__all__ = [
+    "EXPERT_LAYOUTS",
+    "ExportOptions",
+    "check_export_dir",
+    "export_checkpoint",
+    "export_model",
+    "resolve_checkpoint",
+]
 
 logger = logging.getLogger("qwen35_trainer")
+
+EXPERT_LAYOUTS = ("source", "stacked", "per_expert")
+DTYPES = ("float32", "bfloat16", "float16")
+# what from_pretrained or a server could load as the folder's weights
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin*")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """``overwrite``: replace the weights of a non-empty folder; ``experts``: ``source`` (the
+    source checkpoint's layout, stacked without one), ``stacked`` or ``per_expert``;
+    ``dtype``: the tensors' dtype on disk (``None``: the source's, else the weights')."""
+
+    overwrite: bool = False
+    experts: str = "source"
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.experts not in EXPERT_LAYOUTS:
+            raise ValueError(f"experts must be one of {EXPERT_LAYOUTS}, got {self.experts!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+def _refusal(out: Path, overwrite: bool) -> str | None:
+    if out.exists() and not out.is_dir():
+        return f"{out} is a file, not a folder"
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:5]) + (f", … ({len(held)} entries)" if len(held) > 5 else "")
+        return (
+            f"{out} is not empty (it holds {shown}): an export is a whole checkpoint folder, "
+            "and old weights beside the new ones can be loaded instead of them; choose a new "
+            "folder, or overwrite (qwen35-train export --overwrite, train.export_overwrite: "
+            "true) to remove the weights it holds first"
+        )
+    return None
+
+
+def check_export_dir(out: str | Path, overwrite: bool) -> None:
+    """``ValueError`` on every rank when any rank finds ``out`` unfit (module docstring)."""
+    refusal = _refusal(Path(out), overwrite)
+    if any_rank(refusal is not None):
+        raise ValueError(refusal or f"export folder {out}: refused on another rank")
+
+
+def _source_config(recipe: Recipe) -> dict:
+    source = recipe.model.weights_dir
+    config = Path(source) / "config.json" if source else None
+    return json.loads(config.read_text()) if config and config.is_file() else {}
+
+
+def _per_expert(recipe: Recipe, experts: str) -> bool:
+    if experts != "source":
+        return experts == "per_expert"
+    source = recipe.model.weights_dir
+    return bool(source) and expert_layout(CheckpointFiles(source)) == "per_expert"
+
+
+def _dtype(recipe: Recipe, dtype: str | None) -> torch.dtype | None:
+    config = _source_config(recipe)
+    name = dtype or config.get("dtype") or config.get("torch_dtype")
+    return getattr(torch, name) if name else None
+
+
+def _processor_dir(recipe: Recipe) -> Path | None:
+    """The first of ``model.path``, ``data.processor`` that holds a tokenizer."""
+    for folder in (recipe.model.path, resolve(recipe.data.processor)):
+        tokenizer = ("tokenizer_config.json", "tokenizer.json")
+        if folder and any((Path(folder) / name).is_file() for name in tokenizer):
+            return Path(folder)
+    return None
+
+
+def _clear_weights(out: Path) -> list[str]:
+    removed = sorted({p for pattern in WEIGHT_FILES for p in out.glob(pattern) if p.is_file()})
+    for path in removed:
+        path.unlink()
+    return [p.name for p in removed]
+
+
+def _beside_weights(recipe: Recipe, out: Path) -> list[str]:
+    """Write the source's processor and generation config into ``out``; what was written."""
+    from transformers import AutoProcessor
+
+    folder = _processor_dir(recipe)
+    if folder is None:
+        return [
+            "no processor, tokenizer or chat template written: the recipe names none "
+            "(model.path or data.processor)"
+        ]
+    AutoProcessor.from_pretrained(str(folder), local_files_only=True).save_pretrained(str(out))
+    notes = [f"processor, tokenizer and chat template of {folder}"]
+    for source in (Path(recipe.model.path or folder), folder):
+        if (source / "generation_config.json").is_file():
+            shutil.copyfile(source / "generation_config.json", out / "generation_config.json")
+            notes.append(f"generation config of {source}")
+            break
+    return notes
+
+
+def export_model(
+    model: nn.Module, recipe: Recipe, out: str | Path, options: ExportOptions
+) -> list[str]:
+    """Write ``model`` (trained from ``recipe``) to ``out``; every rank calls it. Returns
+    notes on what was written (rank 0's)."""
+    out = Path(out)
+    check_export_dir(out, options.overwrite)
+    per_expert, dtype = _per_expert(recipe, options.experts), _dtype(recipe, options.dtype)
+    notes = []
+    if rank() == 0 and out.is_dir():
+        removed = _clear_weights(out)
+        if removed:
+            notes.append(f"removed the weights {out} held: {', '.join(removed)}")
+    export_hf(model, out, per_expert=per_expert, dtype=dtype)
+    written = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    layout = "per expert" if per_expert else "stacked"
+    if options.experts == "source" and per_expert:
+        layout += " (the source checkpoint's layout)"
+    notes.append(f"weights in {written}, routed experts {layout}")
+    if rank() == 0:
+        notes += _beside_weights(recipe, out)
+    if dist.is_initialized():
+        dist.barrier()
+    return notes
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -38,19 +194,23 @@ def resolve_checkpoint(path: Path) -> Path:
     return found
 
 
-def export_checkpoint(recipe: Recipe, checkpoint: Path, out: Path) -> int:
+def export_checkpoint(
+    recipe: Recipe, checkpoint: Path, out: Path, options: ExportOptions | None = None
+) -> tuple[int, list[str]]:
     """Write ``checkpoint``'s model (:func:`resolve_checkpoint` already applied) to ``out``;
-    returns its step. Every rank of the launch calls it."""
+    returns its step and the notes of :func:`export_model`. Every rank of the launch calls
+    it."""
+    options = options or ExportOptions()
     init_distributed()  # torchrun's group, or one rank's
+    check_export_dir(out, options.overwrite)  # before the weights are read
     # this launch's ranks as one FSDP group, fp32, the weights allocated (every value is then
     # read from the checkpoint)
-    recipe = dataclasses.replace(
+    built = dataclasses.replace(
         recipe,
         model=dataclasses.replace(recipe.model, weights=None, path=None),
         parallel=ParallelRecipe(dp=world()),
         train=dataclasses.replace(recipe.train, dtype="float32", activation_checkpointing=False),
     )
-    objective, _ = build_training_model(recipe, device())
+    objective, _ = build_training_model(built, device())
     step = load_model_weights(checkpoint, objective)
-    export_hf(objective.model, out)
-    return step
+    return step, export_model(objective.model, recipe, out, options)

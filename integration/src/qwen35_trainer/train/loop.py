@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from fsdp_compat import full_tensor
 from qwen35_trainer.data.feed import Feed
-from qwen35_trainer.model import build_training_model, export_hf
+from qwen35_trainer.model import build_training_model
 from qwen35_trainer.model.flops import peak_flops
 from qwen35_trainer.model.kernels import resolve_kernels
 from qwen35_trainer.model.objective import TrainingObjective
@@ -62,6 +62,7 @@ from qwen35_trainer.train.checkpoint import (
 from qwen35_trainer.train.console import what_runs
 from qwen35_trainer.train.determinism import deterministic_mode, prepare_cuda
 from qwen35_trainer.train.eval import evaluate
+from qwen35_trainer.train.export import ExportOptions, check_export_dir, export_model
 from qwen35_trainer.train.metrics import StepLog, peak_memory_mib
 from qwen35_trainer.train.nonfinite import NonFiniteGuard, NonFiniteStep
 from qwen35_trainer.train.preemption import Preempted, StopFlag
@@ -156,6 +157,8 @@ def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
 
 
 def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
+    if recipe.train.export_dir:  # refused now, not after the run
+        check_export_dir(recipe.train.export_dir, recipe.train.export_overwrite)
     run = setup(recipe, dims)
     objective, optimizer, layout, device = run.objective, run.optimizer, run.layout, run.device
     model, training = objective.model, recipe.train
@@ -211,7 +214,9 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
             folder.close()
     place_distributed(objective)  # megatron-fsdp after an evaluation: the trained shards
     if training.export_dir:
-        export_hf(objective.model, training.export_dir)
+        options = ExportOptions(overwrite=training.export_overwrite)
+        for note in export_model(objective.model, recipe, training.export_dir, options):
+            logger.info("export %s: %s", training.export_dir, note)
     return TrainResult(logs, objective, optimizer)
 
 

@@ -1,0 +1,108 @@
+"""``qwen35-train export`` writes a folder servers and ``from_pretrained`` load as it is: into a
+copy of the source checkpoint (people keep the tokenizer beside the weights that way) it is
+refused, and with ``--overwrite`` the folder holds only the new weights — transformers then
+loads the TRAINED weights, not the copy's — under the source's tensor names (per expert, as
+``save_pretrained`` wrote them), with ``architectures`` and ``dtype`` in ``config.json`` and
+the source's processor, chat template and generation config beside them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from chat_fixtures import MODEL, checkpoint_dir
+from helpers import ONE_PROCESS, SYNTHETIC
+
+from qwen35_trainer import load_recipe, train
+from qwen35_trainer.cli import main
+from qwen35_trainer.data.demo import make_demo
+
+
+def _names(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            names |= set(handle.keys())
+    return names
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A per-expert source checkpoint with its processor (written by transformers), a run of 2
+    steps from it, and its checkpoint."""
+    root = tmp_path_factory.mktemp("export")
+    demo = make_demo(root / "demo", train_rows=2, heldout_rows=1)
+    source = root / "source"
+    checkpoint_dir(source, demo / "processor")
+    transformers.GenerationConfig(max_new_tokens=7).save_pretrained(source)
+    sets = [*ONE_PROCESS, *SYNTHETIC, *MODEL, f"model.path={source}"]
+    result = train(
+        load_recipe("tiny", [*sets, "train.steps=2", f"train.checkpoint_dir={root / 'ckpt'}"])
+    )
+    return source, root / "ckpt", sets, result.state_dict()
+
+
+def _export(sets, checkpoint, out, *flags) -> int:
+    return main(
+        [
+            "export",
+            "tiny",
+            *(a for s in sets for a in ("--set", s)),
+            str(checkpoint),
+            str(out),
+            *flags,
+        ]
+    )
+
+
+def test_export_into_a_copy_of_the_source(trained, tmp_path, capsys):
+    source, checkpoint, sets, state = trained
+    out = tmp_path / "served"
+    shutil.copytree(source, out)
+    assert (out / "model.safetensors").is_file()  # what from_pretrained reads first
+    assert _export(sets, checkpoint, out) == 2
+    assert "is not empty (it holds" in capsys.readouterr().err
+    assert _export(sets, checkpoint, out, "--overwrite") == 0
+    said = capsys.readouterr().out
+    assert "removed the weights" in said and "model.safetensors" in said, said
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert {p.name for p in out.glob("*.safetensors")} == set(index["weight_map"].values())
+    loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(out)
+    assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
+    assert _names(out) == _names(source)  # per expert, as the source
+    assert any(".mlp.experts.0.gate_proj.weight" in name for name in _names(out))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    assert config["dtype"] == json.loads((source / "config.json").read_text())["dtype"]
+    theirs = transformers.AutoProcessor.from_pretrained(source)
+    ours = transformers.AutoProcessor.from_pretrained(out)
+    assert ours.chat_template == theirs.chat_template
+    text = "<|im_start|>user\ncolour?<|im_end|>\n"
+    assert ours.tokenizer(text)["input_ids"] == theirs.tokenizer(text)["input_ids"]
+    assert transformers.GenerationConfig.from_pretrained(out).max_new_tokens == 7
+
+
+def test_export_experts_stacked_and_bf16_on_request(trained, tmp_path, capsys):
+    _, checkpoint, sets, state = trained
+    out = tmp_path / "stacked"
+    assert _export(sets, checkpoint, out, "--experts", "stacked", "--dtype", "bfloat16") == 0
+    assert "weights in bfloat16, routed experts stacked" in capsys.readouterr().out
+    assert any(name.endswith(".mlp.experts.gate_up_proj") for name in _names(out))
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(out)
+    assert loaded.dtype == torch.bfloat16
+    assert all(torch.equal(v, state[k].to(torch.bfloat16)) for k, v in loaded.state_dict().items())
+
+
+def test_train_export_dir_not_empty_is_refused_before_training(trained, tmp_path):
+    _, _, sets, _ = trained
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"is not empty \(it holds keep.txt\)"):
+        train(load_recipe("tiny", [*sets, "train.steps=1", f"train.export_dir={tmp_path}"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
