@@ -85,7 +85,7 @@ def test_the_wheel_built_from_the_sdist_carries_the_recipes(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("qwen35_trainer-*.whl")
     assert len(list((tmp_path / "dist").glob("qwen35_trainer-*.tar.gz"))) == 1
     shipped = {p.removeprefix("qwen35_trainer/recipes/") for p in zipfile.ZipFile(wheel).namelist()}
-    expected = {p.name for p in (ROOT / "integration" / "recipes").iterdir()}
+    expected = {p.name for p in (ROOT / "recipes").iterdir()}
     assert expected <= shipped and "tiny.yaml" in expected
     zipfile.ZipFile(wheel).extractall(tmp_path / "wheel")
     show = (

@@ -149,10 +149,11 @@ def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
 
 def _builtin_recipes_dir() -> Path:
     """The built-in recipes: inside an installed wheel ``qwen35_trainer/recipes`` (the
-    top-level ``recipes/`` folder, force-included by the build), else that folder of the
-    source tree (a workspace or editable install)."""
+    repository's top-level ``recipes/`` folder, included by the build's hook,
+    ``integration/hatch_build.py``), else that folder of the repository (a workspace or
+    editable install)."""
     packaged = Path(__file__).parents[1] / "recipes"
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[3] / "recipes"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[4] / "recipes"
 
 
 BUILTIN_RECIPES = _builtin_recipes_dir()
