@@ -398,6 +398,7 @@ def _tiny_cli(path: Path, *sets: str) -> list[str]:
         "data.eval_path=null",
         "train.eval_every=0",
         "train.steps=1",
+        f"train.output_dir={demo / 'runs' / path.stem}",
         *sets,
     ]
     return ["tiny", *(a for item in items for a in ("--set", item))]

@@ -46,7 +46,9 @@ from qwen35_trainer.recipe import (
 )
 from qwen35_trainer.train import train
 from qwen35_trainer.train.console import Console, quiet_cpu_notices
+from qwen35_trainer.train.export import check_export_dir
 from qwen35_trainer.train.launch import default_output_dir, launch, worker_exit
+from qwen35_trainer.train.loop import check_run
 from qwen35_trainer.train.preemption import Preempted
 
 __all__ = [
@@ -344,6 +346,13 @@ def _main(argv: list[str] | None) -> int:
         say(f"bad recipe: {err}")
         return EXIT_BAD_RECIPE
     if "WORLD_SIZE" not in os.environ and recipe.parallel.world > 1:
+        try:  # refused here, in one process, before any worker starts
+            check_run(recipe, recipe.parallel.world)
+            if recipe.train.export_dir:
+                check_export_dir(recipe.train.export_dir, recipe.train.export_overwrite)
+        except ValueError as err:
+            say(str(err))
+            return EXIT_BAD_RECIPE
         sets = [a for item in [*args.overrides, *extra] for a in ("--set", item)]
         return launch([args.recipe, *sets], recipe.parallel.world, args.max_restarts)
     if printing:

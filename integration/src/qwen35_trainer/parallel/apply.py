@@ -96,6 +96,7 @@ __all__ = [
     "apply_parallelism",
     "check_tp_heads",
     "gated_deltanet_layers",
+    "model_refusals",
     "parallelize",
     "validate_layout",
 ]
@@ -136,13 +137,37 @@ class Layout:
         )
 
 
-def validate_layout(recipe: Any, world_size: int, *, on_this_machine: bool = True) -> ParallelDims:
+def model_refusals(parallel: Any, text_config: Any) -> list[str]:
+    """Why the degrees of ``parallel`` cannot split the model of ``text_config``: TP must
+    divide the attention and Gated DeltaNet head counts and the shared expert's width, EP the
+    routed experts."""
+    tp, ep, text = parallel.tp, parallel.ep, text_config
+    split = {
+        "num_attention_heads": (text.num_attention_heads, tp),
+        "num_key_value_heads": (text.num_key_value_heads, tp),
+        "linear_num_key_heads": (text.linear_num_key_heads, tp),
+        "linear_num_value_heads": (text.linear_num_value_heads, tp),
+        "shared_expert_intermediate_size": (text.shared_expert_intermediate_size, tp),
+        "num_experts": (text.num_experts, ep),
+    }
+    return [
+        f"parallel.{'ep' if key == 'num_experts' else 'tp'}={degree} must divide "
+        f"model.text.{key}={size}"
+        for key, (size, degree) in split.items()
+        if size % degree
+    ]
+
+
+def validate_layout(
+    recipe: Any, world_size: int, *, on_this_machine: bool = True, config: Any = None
+) -> ParallelDims:
     """The run's :class:`ParallelDims` from the recipe's ``parallel`` section, or ``ValueError``
     with every reason it cannot run in ``world_size`` ranks (``on_this_machine``: and on this
     machine, :func:`~qwen35_trainer.parallel.requirements.machine_refusals`; the planner plans
-    GPU runs anywhere)."""
+    GPU runs anywhere; ``config``: the model's, and the degrees must split it,
+    :func:`model_refusals`)."""
     parallel, packing = recipe.parallel, recipe.data.packing
-    reasons = []
+    reasons = [] if config is None else model_refusals(parallel, config.text_config)
     try:
         dims = ParallelDims.from_recipe(parallel, world_size)
     except ValueError as err:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from fsdp_compat import full_tensor
 from qwen35_trainer.data.feed import Feed
-from qwen35_trainer.model import build_training_model
+from qwen35_trainer.model import build_config, build_training_model
 from qwen35_trainer.model.flops import peak_flops
 from qwen35_trainer.model.kernels import resolve_kernels
 from qwen35_trainer.model.objective import TrainingObjective
@@ -104,13 +104,22 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
         return _train(recipe, on_step, dims)
 
 
+def check_run(recipe: Recipe, world_size: int) -> ParallelDims:
+    """The recipe's layout on ``world_size`` ranks, or ``ValueError`` with every reason it
+    cannot run (the layout, the model it must split, this machine) or a named kernel that
+    cannot; no collective. The built-in launcher runs it before it starts any worker, so a
+    refusal is one message from one process; every worker runs it again."""
+    dims = validate_layout(recipe, world_size, config=build_config(recipe.model))
+    resolve_kernels(recipe, "cuda" if torch.cuda.is_available() else "cpu")
+    return dims
+
+
 def start_processes(recipe: Recipe) -> ParallelDims:
-    """The recipe's layout, validated against the launch before any collective (one message
-    with every reason), and the process group: torchrun's, or a one-rank group for one
+    """The recipe's layout, checked against the launch before any collective
+    (:func:`check_run`), and the process group: torchrun's, or a one-rank group for one
     process."""
     launched = world() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    dims = validate_layout(recipe, launched)
-    resolve_kernels(recipe, "cuda" if torch.cuda.is_available() else "cpu")  # named ones can run
+    dims = check_run(recipe, launched)
     prepare_cuda(recipe.train.deterministic)
     init_distributed()
     return dims
