@@ -90,6 +90,27 @@ def test_layouts_that_do_not_fit_the_launch_are_refused(capsys, monkeypatch):
     assert "parallel.ep=3 must divide parallel.dp x parallel.cp = 4" in capsys.readouterr().err
 
 
+def test_refusals_are_decided_before_any_worker_starts(capsys, monkeypatch, tmp_path):
+    """A layout the model does not split, a named kernel that cannot run and a non-empty export
+    folder: one message from the launching process, no worker started (``launch`` fails the
+    test if called)."""
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(cli, "launch", no_workers)
+    (tmp_path / "old.safetensors").write_bytes(b"")
+    cases = [
+        (["model.text.num_experts=5"], "parallel.ep=2 must divide model.text.num_experts=5"),
+        (["model.expert_backend=te"], "model.expert_backend"),
+        ([f"train.export_dir={tmp_path}"], "is not empty (it holds old.safetensors)"),
+    ]
+    for sets, message in cases:
+        assert main(["tiny", *(a for s in sets for a in ("--set", s))]) == 2, sets
+        err = capsys.readouterr().err
+        assert err.count("qwen35-train:") == 1 and message in err, (sets, err)
+
+
 def test_an_internal_error_has_its_own_exit_code(capsys, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
