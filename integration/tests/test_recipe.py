@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers import TINY, tiny
 
@@ -29,6 +31,30 @@ def test_base_is_merged_key_by_key_and_overrides_apply_last(tmp_path):
     assert (r.train.steps, r.train.lr) == (3, 0.5)
     assert r.data.image_grids == ((1, 2, 2),)
     assert r.data.samples_per_rank == base.data.samples_per_rank
+
+
+def test_paths_are_relative_to_the_recipe_file_that_states_them(tmp_path, monkeypatch):
+    """A base in another folder, a derived recipe, an override: each relative input path
+    resolves against the file (or, for ``--set``, the working directory) that states it;
+    outputs stay relative to the working directory; ``builtin:`` paths stay as they are."""
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "project").mkdir()
+    (tmp_path / "shared" / "base.yaml").write_text(
+        f"base: {TINY}\ndata:\n  path: data/train.jsonl\n  eval_path: builtin:demo/heldout.jsonl\n"
+    )
+    (tmp_path / "project" / "run.yaml").write_text(
+        "base: ../shared/base.yaml\ndata:\n  processor: ./proc\n"
+        "train:\n  output_dir: runs/x\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    r = load_recipe("project/run.yaml")
+    assert r.data.path == str(tmp_path / "shared" / "data" / "train.jsonl")
+    assert r.data.processor == str(tmp_path / "project" / "proc")
+    assert r.data.eval_path == "builtin:demo/heldout.jsonl"
+    assert r.train.output_dir == "runs/x"
+    r = load_recipe("project/run.yaml", ["data.path=mine.jsonl", "model.weights=~/w"])
+    assert r.data.path == str(tmp_path / "mine.jsonl")
+    assert r.model.weights == str(Path.home() / "w")
 
 
 @pytest.mark.parametrize(
