@@ -7,7 +7,7 @@ import copy
 
 import torch
 import torch.distributed as dist
-from helpers import IDLE_EXPERT, tiny_moe, tokens
+from helpers import IDLE_EXPERT, lora_moe, tiny_moe, tokens
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from toy_vlm import VLM
 
@@ -26,6 +26,7 @@ REPLICATED = (
     "shared_expert.down_proj.weight",
 )
 EXPERT = ("experts.gate_up_proj", "experts.down_proj")
+ADAPTERS = tuple(f"experts.lora.{n}" for n in ("gate_up_A", "gate_up_B", "down_A", "down_B"))
 SHARED_PLAN = {
     "shared_expert.gate_proj": ColwiseParallel(),
     "shared_expert.up_proj": ColwiseParallel(),
@@ -234,6 +235,28 @@ def check_ep_tp_token_split_exact() -> None:
             assert "not in ep_mesh" in str(e), e
         else:
             raise AssertionError("a tp_mesh outside the EP group was accepted")
+
+
+def check_ep_lora_parity() -> None:
+    """Expert adapters sharded with their experts (EP = world, uneven tokens, a rank with
+    none): output, input grads and every adapter's gradient (gathered) equal the one-process
+    run; the frozen expert weights get no gradient; the idle expert's adapters get zeros."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    xs, gs = _rank_inputs(world, seed=90)
+    ref, y_ref, gx_ref = _reference(xs, gs, moe=lora_moe())
+    moe = apply_expert_parallel(lora_moe(), make_mesh((world,), ("ep",)))
+    assert moe.experts.lora.gate_up_A.to_local().shape[0] == 8 // world
+    x = xs[rank].clone().requires_grad_()
+    y = moe(x)
+    (y * gs[rank]).sum().backward()
+    start = sum(t.shape[1] for t in xs[:rank])
+    rows = slice(start, start + xs[rank].shape[1])
+    assert_close(y, y_ref[:, rows], name="output")
+    assert_close(x.grad, gx_ref[:, rows], name="x.grad")
+    for name in ADAPTERS:
+        assert_close(full(_grad(moe, name)), _grad(ref, name), name=name)
+        assert torch.count_nonzero(full(_grad(moe, name))[IDLE_EXPERT]) == 0, name
+    assert all(_grad(moe, name) is None for name in EXPERT)
 
 
 def check_zero_token_optimizer_step() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_parallel import MoE
+from moe_parallel import LoRASpec, MoE, add_expert_lora
 
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED = 16, 8, 2, 8, 8
 IDLE_EXPERT = 7
@@ -26,3 +26,20 @@ def tokens(batch: int, seq: int, seed: int) -> torch.Tensor:
     x = torch.randn(batch, seq, HIDDEN, generator=g)
     x[..., 0] = 3.0
     return x
+
+
+LORA = LoRASpec(rank=4, alpha=6.0)
+
+
+def lora_moe(seed: int = 0, spec: LoRASpec = LORA) -> MoE:
+    """:func:`tiny_moe` with expert adapters whose ``B`` is random (so every adapter has a
+    gradient), the experts' own weights frozen."""
+    moe = tiny_moe(seed)
+    add_expert_lora(moe, spec)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for b in (moe.experts.lora.gate_up_B, moe.experts.lora.down_B):
+            b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    moe.experts.gate_up_proj.requires_grad_(False)
+    moe.experts.down_proj.requires_grad_(False)
+    return moe

@@ -7,6 +7,7 @@ from dist_checks import (
     check_ac_under_ep_wraps_vision,
     check_compiled_ep_parity,
     check_ep_detached_router_is_caught,
+    check_ep_lora_parity,
     check_ep_parity,
     check_ep_parity_te_stand_in,
     check_ep_size_must_divide_experts,
@@ -32,6 +33,7 @@ CHECKS = [
     check_ep_tp_token_split_exact,
     check_zero_token_optimizer_step,
     check_ac_under_ep_wraps_vision,
+    check_ep_lora_parity,
 ]
 
 

@@ -1,7 +1,8 @@
 """Expert parallelism: shard every MoE's routed experts over an EP mesh.
 
-Each :class:`~moe_parallel.moe.Experts` module's ``gate_up_proj`` / ``down_proj`` become
-DTensors placed ``Shard(0)`` on the 1-D EP mesh (rank r holds experts r*L .. r*L+L-1) and the
+Each :class:`~moe_parallel.moe.Experts` module's ``gate_up_proj`` / ``down_proj`` — and its
+low-rank adapters (:mod:`moe_parallel.lora`), stacked by expert the same way — become DTensors
+placed ``Shard(0)`` on the 1-D EP mesh (rank r holds experts r*L .. r*L+L-1) and the
 module's ``ep_group`` is set, so its forward exchanges rows with
 :func:`~moe_parallel.dispatch.all_to_all_expert_compute`. The router, the routing weights and
 the shared expert stay on each token's home rank (see :mod:`moe_parallel.moe`), so their
@@ -63,10 +64,12 @@ def apply_expert_parallel(
                 f"{module.num_experts} (each rank owns the same number of experts)"
             )
     for _, module in experts:
-        for pname in ("gate_up_proj", "down_proj"):
-            param = getattr(module, pname)
+        # every parameter is stacked by expert: the weights and their adapters
+        for pname, param in list(module.named_parameters()):
+            owner, _, leaf = pname.rpartition(".")
+            holder = module.get_submodule(owner) if owner else module
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
-            setattr(module, pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            setattr(holder, leaf, nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.ep_group = ep_mesh.get_group()
         if tp_mesh is not None and tp_mesh.size() > 1:
             module.tp_group = tp_mesh.get_group()

@@ -11,12 +11,17 @@ used and the switch is logged once. Both paths keep every expert weight in the a
 an expert that received no rows gets a zero gradient, never ``None``. ``backend="te"`` computes the
 same with TransformerEngine's ``GroupedLinear`` instead (:mod:`moe_parallel.te_backend`), under
 the same zero-gradient contract.
+
+With low-rank adapters (:class:`LoRAFactors`, :mod:`moe_parallel.lora`) each projection adds
+``s · (drop(x) A_e^T) B_e^T`` to its rows: two more grouped GEMMs (or loops) through the rank,
+on the torch backend only (TransformerEngine's fused path has no place for the adapters).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +29,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from moe_parallel import te_backend
 
-__all__ = ["EXPERT_BACKENDS", "expert_swiglu", "grouped_mm_works", "loop_linear"]
+__all__ = ["EXPERT_BACKENDS", "LoRAFactors", "expert_swiglu", "grouped_mm_works", "loop_linear"]
 
 EXPERT_BACKENDS = ("auto", "torch", "te")
 
@@ -76,12 +81,13 @@ def _probe_run(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def grouped_mm_works(x: torch.Tensor, hidden: int, intermediate: int) -> bool:
-    """Whether the grouped-GEMM path runs forward and backward for ``x``'s device and dtype."""
+def grouped_mm_works(x: torch.Tensor, *widths: int) -> bool:
+    """Whether the grouped-GEMM path runs forward and backward for ``x``'s device and dtype,
+    with matrices of these ``widths`` (hidden, intermediate, adapter rank)."""
     if x.dtype not in _GROUPED_DTYPES or x.shape[0] == 0:
         return False
     size = x.element_size()
-    if (hidden * size) % 16 or (intermediate * size) % 16:
+    if any((width * size) % 16 for width in widths):
         return False
     return _probe(x.device.type, x.dtype)
 
@@ -95,6 +101,29 @@ def loop_linear(x_MH: torch.Tensor, counts: list[int], w_EOH: torch.Tensor) -> t
     return torch.cat(pieces)
 
 
+class LoRAFactors(NamedTuple):
+    """The experts' adapters as :func:`expert_swiglu` takes them (this rank's experts):
+    ``gate_up_A`` [E, r, H], ``gate_up_B`` [E, 2I, r], ``down_A`` [E, r, I], ``down_B``
+    [E, H, r], the ``scale`` s and the ``dropout`` probability on the adapters' input (0 in
+    evaluation)."""
+
+    gate_up_A: torch.Tensor
+    gate_up_B: torch.Tensor
+    down_A: torch.Tensor
+    down_B: torch.Tensor
+    scale: float
+    dropout: float = 0.0
+
+
+def _adapted(linear, x_MI, w_EOI, a_ERI, b_EOR, lora: LoRAFactors | None):
+    """``linear(x, w)`` plus, with ``lora``, ``s · linear(linear(drop(x), A), B)``."""
+    y_MO = linear(x_MI, w_EOI)
+    if lora is None:
+        return y_MO
+    x_in = F.dropout(x_MI, lora.dropout) if lora.dropout else x_MI
+    return y_MO + lora.scale * linear(linear(x_in, a_ERI), b_EOR)
+
+
 def expert_swiglu(
     x_MH: torch.Tensor,
     counts_E: torch.Tensor,
@@ -102,6 +131,7 @@ def expert_swiglu(
     down_EHI: torch.Tensor,
     *,
     backend: str = "auto",
+    lora: LoRAFactors | None = None,
 ) -> torch.Tensor:
     """``down_e(silu(gate_e(x)) * up_e(x))`` for every row, with row blocks grouped by expert.
 
@@ -112,8 +142,9 @@ def expert_swiglu(
         down_EHI: [E, H, I].
         backend: ``"torch"`` (grouped GEMM or exact loop, any device), ``"te"``
             (TransformerEngine's ``GroupedLinear``, CUDA; see :mod:`moe_parallel.te_backend`) or
-            ``"auto"``: ``"te"`` for CUDA rows when TransformerEngine imports, else ``"torch"``.
-            A call with no rows always takes the exact loop.
+            ``"auto"``: ``"te"`` for CUDA rows when TransformerEngine imports, else ``"torch"``
+            (always ``"torch"`` with ``lora``). A call with no rows always takes the exact loop.
+        lora: the experts' low-rank adapters (:class:`LoRAFactors`), or ``None``.
 
     Returns:
         [M, H], row ``m`` computed by the expert that owns it.
@@ -125,19 +156,34 @@ def expert_swiglu(
         raise ValueError(f"x_MH must be [M, {hidden}], got {tuple(x_MH.shape)}")
     if backend not in EXPERT_BACKENDS:
         raise ValueError(f"backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
+    if backend == "te" and lora is not None:
+        raise ValueError(
+            "expert LoRA runs on the torch backend: TransformerEngine's grouped "
+            "path has no place for the adapters (expert_backend='torch' or 'auto')"
+        )
     if backend == "auto":
         on_te_device = x_MH.device.type in te_backend.TE_DEVICE_TYPES
-        backend = "te" if on_te_device and te_backend.te_available() else "torch"
+        usable = on_te_device and te_backend.te_available() and lora is None
+        backend = "te" if usable else "torch"
     if backend == "te" and x_MH.shape[0] > 0:
         return te_backend.te_expert_swiglu(x_MH, counts_E, gate_up_E2IH, down_EHI)
-    if grouped_mm_works(x_MH, hidden, two_i // 2):
+    widths = (hidden, two_i // 2) + ((lora.gate_up_A.shape[1],) if lora is not None else ())
+    if grouped_mm_works(x_MH, *widths):
         offs = torch.cumsum(counts_E, 0).to(torch.int32)
-        gate, up = grouped_linear(x_MH, offs, gate_up_E2IH).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, offs, down_EHI)
-    key = (x_MH.device.type, x_MH.dtype)
-    if x_MH.shape[0] > 0 and key not in _warned:
-        _warned.add(key)
-        _log.info("torch._grouped_mm unavailable for %s %s: exact per-expert loop", *key)
-    counts = counts_E.tolist()
-    gate, up = loop_linear(x_MH, counts, gate_up_E2IH).chunk(2, dim=-1)
-    return loop_linear(F.silu(gate) * up, counts, down_EHI)
+
+        def linear(x, w):
+            return grouped_linear(x, offs, w)
+    else:
+        key = (x_MH.device.type, x_MH.dtype)
+        if x_MH.shape[0] > 0 and key not in _warned:
+            _warned.add(key)
+            _log.info("torch._grouped_mm unavailable for %s %s: exact per-expert loop", *key)
+        counts = counts_E.tolist()
+
+        def linear(x, w):
+            return loop_linear(x, counts, w)
+
+    a, b = (lora.gate_up_A, lora.gate_up_B) if lora is not None else (None, None)
+    gate, up = _adapted(linear, x_MH, gate_up_E2IH, a, b, lora).chunk(2, dim=-1)
+    a, b = (lora.down_A, lora.down_B) if lora is not None else (None, None)
+    return _adapted(linear, F.silu(gate) * up, down_EHI, a, b, lora)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe_parallel.grouped import EXPERT_BACKENDS, expert_swiglu
+from moe_parallel.grouped import EXPERT_BACKENDS, LoRAFactors, expert_swiglu
 
 __all__ = ["MoE", "MoEStats", "load_balancing_loss"]
 
@@ -106,7 +106,8 @@ class Experts(nn.Module):
     the EP mesh and ``ep_group`` is set; rows then travel to their expert's rank and back.
     ``tp_group`` (set by ``apply_expert_parallel(..., tp_mesh=...)``) splits identical tokens
     over TP ranks before the dispatch. ``backend`` is the :func:`moe_parallel.expert_swiglu`
-    backend (``"auto"``, ``"torch"`` or ``"te"``).
+    backend (``"auto"``, ``"torch"`` or ``"te"``). ``lora``: the experts' low-rank adapters
+    (:func:`moe_parallel.add_expert_lora`), applied inside the grouped computation.
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class Experts(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.register_module("lora", None)
         self.ep_group: Any = None
         self.tp_group: Any = None
 
@@ -163,9 +165,16 @@ class Experts(nn.Module):
         # multi-threaded CPU (run-to-run different sums); index_add_ adds them in a fixed order
         x_sorted = x_NH.index_select(0, order // k)
         gate_up, down = self._local_weights()
+        lora = None
+        if self.lora is not None:
+            spec = self.lora.spec
+            dropout = spec.dropout if self.training else 0.0
+            lora = LoRAFactors(*self.lora.local(), scale=spec.scale, dropout=dropout)
 
         def compute(rows_MH: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
-            return expert_swiglu(rows_MH, local_counts, gate_up, down, backend=self.backend)
+            return expert_swiglu(
+                rows_MH, local_counts, gate_up, down, backend=self.backend, lora=lora
+            )
 
         if self.ep_group is None:
             y_sorted = compute(x_sorted, counts_E)
