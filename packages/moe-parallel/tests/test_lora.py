@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from moe_parallel import LoRAFactors, LoRASpec, MoE, add_expert_lora, expert_swiglu
 from moe_parallel.grouped import grouped_mm_works
 
-H, I, R, E = 20, 12, 8, 6
+H, INTER, R, E = 20, 12, 8, 6
 
 
 def _factors(dtype, seed=0, scale=0.75):
@@ -23,8 +23,10 @@ def _factors(dtype, seed=0, scale=0.75):
     def rand(*shape):
         return (0.3 * torch.randn(*shape, generator=g)).to(dtype).requires_grad_()
 
-    base = (rand(E, 2 * I, H), rand(E, H, I))
-    lora = LoRAFactors(rand(E, R, H), rand(E, 2 * I, R), rand(E, R, I), rand(E, H, R), scale)
+    base = (rand(E, 2 * INTER, H), rand(E, H, INTER))
+    lora = LoRAFactors(
+        rand(E, R, H), rand(E, 2 * INTER, R), rand(E, R, INTER), rand(E, H, R), scale
+    )
     return base, lora
 
 
@@ -46,9 +48,8 @@ def _per_expert_loop(x, counts, base, lora):
 def test_grouped_adapters_equal_the_per_expert_loop(path):
     counts = [3, 0, 5, 1, 4, 2]  # expert 1 gets no rows
     x32 = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(3))
-    base32, lora32 = _factors(torch.float32)
     if path == "grouped":
-        assert grouped_mm_works(x32, H, I, R)
+        assert grouped_mm_works(x32, H, INTER, R)
     x = x32.clone().requires_grad_()
     dtype = torch.float32 if path == "grouped" else torch.float64  # fp64 takes the loop
     base, lora = _factors(dtype)
@@ -77,8 +78,8 @@ def test_grouped_adapters_equal_the_per_expert_loop(path):
 
 def test_zero_b_is_the_base_block_bit_for_bit():
     torch.manual_seed(0)
-    base = MoE(H, E, 2, I, 8, init_std=0.3)
-    adapted = MoE(H, E, 2, I, 8, init_std=0.3)
+    base = MoE(H, E, 2, INTER, 8, init_std=0.3)
+    adapted = MoE(H, E, 2, INTER, 8, init_std=0.3)
     adapted.load_state_dict(base.state_dict())
     assert add_expert_lora(adapted, LoRASpec(R, 16.0)) == ["experts"]
     x = torch.randn(2, 7, H)
@@ -92,7 +93,7 @@ def test_scale_dropout_and_refusals():
     with pytest.raises(ValueError, match="rank must be >= 1"):
         LoRASpec(0, 1.0)
     torch.manual_seed(0)
-    moe = MoE(H, E, 2, I, init_std=0.3)
+    moe = MoE(H, E, 2, INTER, init_std=0.3)
     add_expert_lora(moe, LoRASpec(R, 8.0, dropout=0.5))
     with torch.no_grad():
         moe.experts.lora.down_B.normal_()
