@@ -43,8 +43,7 @@ def test_paths_are_relative_to_the_recipe_file_that_states_them(tmp_path, monkey
         f"base: {TINY}\ndata:\n  path: data/train.jsonl\n  eval_path: builtin:demo/heldout.jsonl\n"
     )
     (tmp_path / "project" / "run.yaml").write_text(
-        "base: ../shared/base.yaml\ndata:\n  processor: ./proc\n"
-        "train:\n  output_dir: runs/x\n"
+        "base: ../shared/base.yaml\ndata:\n  processor: ./proc\ntrain:\n  output_dir: runs/x\n"
     )
     monkeypatch.chdir(tmp_path)
     r = load_recipe("project/run.yaml")

@@ -232,6 +232,7 @@ def _export_main(argv: list[str]) -> int:
     (:mod:`qwen35_trainer.train.export`); exit 0, or 2 with the reason (bad recipe, no
     checkpoint there, a damaged checkpoint, one of another model, a folder that is not
     empty)."""
+    from qwen35_trainer.model.lora_export import LORA_FORMATS
     from qwen35_trainer.train.export import DTYPES, EXPERT_LAYOUTS
 
     parser = argparse.ArgumentParser(
@@ -257,11 +258,20 @@ def _export_main(argv: list[str]) -> int:
     parser.add_argument(
         "--dtype", choices=DTYPES, help="the weights' dtype (default: the source checkpoint's)"
     )
+    parser.add_argument(
+        "--lora",
+        choices=LORA_FORMATS,
+        help="a LoRA run's export: peft (default: PEFT's adapter folder, the experts in its "
+        "target_parameters layout), per_expert (2-D adapters per expert) or merged (the "
+        "merged weights as a checkpoint folder)",
+    )
     args = parser.parse_args(argv)
     from qwen35_trainer.train.export import ExportOptions, export_checkpoint, resolve_checkpoint
 
     logging.basicConfig(level=logging.WARNING, format="qwen35-train export: %(message)s")
-    options = ExportOptions(overwrite=args.overwrite, experts=args.experts, dtype=args.dtype)
+    options = ExportOptions(
+        overwrite=args.overwrite, experts=args.experts, dtype=args.dtype, lora=args.lora
+    )
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         checkpoint = resolve_checkpoint(args.checkpoint)

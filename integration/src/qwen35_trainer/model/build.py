@@ -32,6 +32,7 @@ from moe_parallel import MoE, swap_moe_blocks
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.init import init_rows, init_rule
 from qwen35_trainer.model.load import plan_hf_load
+from qwen35_trainer.model.lora import add_lora
 from qwen35_trainer.model.mtp import add_mtp
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.model.params import named_parameters
@@ -60,6 +61,8 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
 def build_meta_model(model_recipe: ModelRecipe, *, packing: bool = False) -> nn.Module:
     """The recipe's model (its multi-token-prediction head ``mtp`` added when
     ``model.mtp_layers`` asks for one, :mod:`qwen35_trainer.model.mtp`; MoE swapped; with
+    ``model.lora`` its adapters added and the rest frozen, :mod:`qwen35_trainer.model.lora`;
+    with
     ``packing`` adapted to packed rows, :func:`qwen35_trainer.model.packed.enable_packing`) on
     the meta device: shapes only, no storage."""
     from transformers import Qwen3_5MoeForConditionalGeneration
@@ -69,6 +72,8 @@ def build_meta_model(model_recipe: ModelRecipe, *, packing: bool = False) -> nn.
         model = Qwen3_5MoeForConditionalGeneration(config)
         add_mtp(model)
         swap_moe_blocks(model, expert_backend=model_recipe.expert_backend)
+        if model_recipe.lora is not None:
+            add_lora(model, model_recipe.lora)
     if packing:
         enable_packing(
             model,

@@ -15,7 +15,10 @@ transformers' ``save_pretrained`` and most published checkpoints hold them — b
 ``from_pretrained``. The multi-token-prediction head's experts are always per expert, as the
 public checkpoints hold them (:func:`qwen35_trainer.model.adapter.on_disk`; transformers
 ignores ``mtp.*``, the inference servers' MTP loaders read it), and ``config.json`` states the
-head's depth (``mtp_num_hidden_layers``). ``dtype`` casts every tensor as it is written.
+head's depth (``mtp_num_hidden_layers``). ``dtype`` casts every tensor as it is written. A
+LoRA model (:mod:`qwen35_trainer.model.lora`) is written merged: each adapted weight as ``W +
+s · B A`` (per expert for the routed experts), the adapters themselves not at all — the
+folder is the trained function as a plain checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import nn
 
 from fsdp_compat import full_tensor
 from qwen35_trainer.model.adapter import on_disk
+from qwen35_trainer.model.lora import is_adapter, merged
 from qwen35_trainer.model.params import named_parameters
 
 __all__ = ["export_hf", "export_plan"]
@@ -81,12 +85,16 @@ def export_hf(
     path = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    params = [(name, param) for name, _, _, param in named_parameters(model)]
-    dtype = dtype or params[0][1].dtype
-    written = [on_disk(name, tuple(p.shape), per_expert=per_expert) for name, p in params]
+    params = [
+        (name, module, attr, param)
+        for name, module, attr, param in named_parameters(model)
+        if not is_adapter(name)
+    ]
+    dtype = dtype or params[0][3].dtype
+    written = [on_disk(name, tuple(p.shape), per_expert=per_expert) for name, _, _, p in params]
     entries = [
         (disk, math.prod(shape) * dtype.itemsize)
-        for (_, p), tensors in zip(params, written, strict=True)
+        for tensors in written
         for disk, shape, _ in tensors
     ]
     plan = export_plan(entries, world, max_file_bytes)
@@ -98,8 +106,9 @@ def export_hf(
         dist.barrier()
     pending: dict[str, torch.Tensor] = {}
     current = None
-    for (_, param), tensors in zip(params, written, strict=True):
-        full = full_tensor(param)
+    for (_, module, attr, param), tensors in zip(params, written, strict=True):
+        full = merged(module, attr, full_tensor)
+        full = full_tensor(param) if full is None else full
         for disk, _, take in tensors:
             owner, number = next(places)
             if owner != rank:

@@ -5,7 +5,9 @@ The distributions are transformers' own for this model (``Qwen3_5MoePreTrainedMo
 _init_weights``; :func:`init_rule` states them, a test compares them with transformers'): linear,
 convolution, embedding, router and expert weights ``normal(0, initializer_range)``, biases 0,
 the zero-centred ``Qwen3_5MoeRMSNorm`` weights 0, the other norms 1 / 0, the Gated DeltaNet's
-``dt_bias`` 1 and ``A_log = log(uniform(0.01, 16))``, the embedding's padding row 0.
+``dt_bias`` 1 and ``A_log = log(uniform(0.01, 16))``, the embedding's padding row 0. LoRA
+adapters (:mod:`qwen35_trainer.model.lora`): ``A`` Kaiming-uniform (``uniform(±1/sqrt(in))``,
+a Linear's default), ``B`` 0.
 
 Why a shard equals the one-process tensor: the full tensor is cut along dim 0 into blocks of
 at most :data:`BLOCK_ELEMENTS` elements (``rows_per_block`` depends on the shape only), and
@@ -23,7 +25,9 @@ import math
 import torch
 from torch import nn
 
+from moe_parallel import ExpertLoRA
 from moe_parallel.moe import Experts
+from qwen35_trainer.model.lora import LoRALinear
 
 __all__ = ["BLOCK_ELEMENTS", "init_rows", "init_rule"]
 
@@ -33,8 +37,9 @@ BLOCK_ELEMENTS = 1 << 22
 
 def init_rule(module: nn.Module, name: str, std: float) -> tuple:
     """How ``module``'s parameter ``name`` starts: ``("normal", std)``, ``("zeros",)``,
-    ``("ones",)`` or ``("log_uniform", lo, hi)``; ``ValueError`` for a parameter no rule
-    covers (a new transformers module must be given one, not left uninitialised)."""
+    ``("ones",)``, ``("uniform", bound)`` or ``("log_uniform", lo, hi)``; ``ValueError`` for a
+    parameter no rule covers (a new transformers module must be given one, not left
+    uninitialised)."""
     kinds = {cls.__name__ for cls in type(module).__mro__}  # FSDP2 subclasses the unit
     kind = type(module).__name__
     if "Qwen3_5MoeGatedDeltaNet" in kinds:
@@ -43,8 +48,20 @@ def init_rule(module: nn.Module, name: str, std: float) -> tuple:
         rules = {"weight": ("zeros",)}
     elif any("RMSNorm" in k or "LayerNorm" in k for k in kinds):
         rules = {"weight": ("ones",), "bias": ("zeros",)}
+    elif isinstance(module, LoRALinear):
+        rules = {
+            "weight": ("normal", std),
+            "bias": ("zeros",),
+            "lora_A": ("uniform", 1.0 / math.sqrt(module.in_features)),
+            "lora_B": ("zeros",),
+        }
     elif isinstance(module, nn.Linear | nn.Conv1d | nn.Conv3d | nn.Embedding):
         rules = {"weight": ("normal", std), "bias": ("zeros",)}
+    elif isinstance(module, ExpertLoRA):
+        rules = {
+            f"{part}_A": ("uniform", 1.0 / math.sqrt(getattr(module, f"{part}_A").shape[-1]))
+            for part in ("gate_up", "down")
+        } | {"gate_up_B": ("zeros",), "down_B": ("zeros",)}
     elif "Qwen3_5MoeTopKRouter" in kinds:
         rules = {"weight": ("normal", std)}
     elif isinstance(module, Experts):
@@ -66,6 +83,8 @@ def _draw(rule: tuple, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
         return torch.empty(shape).normal_(0.0, rule[1], generator=gen)
     if rule[0] == "log_uniform":
         return torch.empty(shape).uniform_(rule[1], rule[2], generator=gen).log_()
+    if rule[0] == "uniform":
+        return torch.empty(shape).uniform_(-rule[1], rule[1], generator=gen)
     return torch.zeros(shape) if rule[0] == "zeros" else torch.ones(shape)
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from qwen35_trainer.model.adapter import CheckpointFiles, StateDictAdapter
+from qwen35_trainer.model.lora import is_adapter
 from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index, read_local
@@ -83,8 +84,8 @@ def plan_hf_load(
                     "model.init_missing_mtp: true to start it from the seeded initialisation"
                 )
         for name, _, _, param in params:
-            if mtp_absent and name.startswith(MTP_PREFIX):
-                continue
+            if (mtp_absent and name.startswith(MTP_PREFIX)) or is_adapter(name):
+                continue  # LoRA adapters start name-seeded, never from the base checkpoint
             readers[name] = adapter.reader(name, tuple(param.shape), problems)
         skipped, unexpected = adapter.unused()
         problems += [f"{key}: on disk, not in the model" for key in unexpected]

@@ -96,6 +96,7 @@ __all__ = [
     "apply_parallelism",
     "check_tp_heads",
     "gated_deltanet_layers",
+    "lora_refusals",
     "model_refusals",
     "parallelize",
     "validate_layout",
@@ -158,6 +159,27 @@ def model_refusals(parallel: Any, text_config: Any) -> list[str]:
     ]
 
 
+def lora_refusals(recipe: Any) -> list[str]:
+    """Why ``model.lora`` cannot train with the recipe's layout (empty: it can, or no LoRA).
+    The layouts refused are those not yet proven against one process with adapters."""
+    if recipe.model.lora is None:
+        return []
+    p, reasons = recipe.parallel, []
+    if p.tp > 1:
+        reasons.append(
+            "model.lora with parallel.tp > 1 is not built yet: the adapters of a TP-split "
+            "projection must be split with its style (A whole and B by rows for a column split, "
+            "A by columns and B whole for a row split, the Gated DeltaNet's head order); use "
+            "parallel.tp: 1 (EP, CP and FSDP shard LoRA runs)"
+        )
+    if p.fsdp_backend == "megatron":
+        reasons.append(
+            "model.lora with parallel.fsdp_backend=megatron is not built yet: megatron-fsdp "
+            "holds frozen and trained parameters in one buffer; use parallel.fsdp_backend=fsdp2"
+        )
+    return reasons
+
+
 def validate_layout(
     recipe: Any, world_size: int, *, on_this_machine: bool = True, config: Any = None
 ) -> ParallelDims:
@@ -197,7 +219,7 @@ def validate_layout(
             f"parallelism (8 and cp x tp = {parallel.cp * parallel.tp}: every CP rank's tokens "
             "split over the TP ranks in equal slices)"
         )
-    reasons += megatron_refusals(recipe)
+    reasons += megatron_refusals(recipe) + lora_refusals(recipe)
     if on_this_machine:
         reasons += machine_refusals(parallel)
     if reasons:

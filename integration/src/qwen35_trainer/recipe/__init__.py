@@ -21,7 +21,9 @@ from qwen35_trainer.recipe.files import (
     recipe_path,
 )
 from qwen35_trainer.recipe.schema import (
+    LORA_TARGETS,
     DataRecipe,
+    LoRARecipe,
     ModelRecipe,
     ParallelRecipe,
     Recipe,
@@ -30,7 +32,9 @@ from qwen35_trainer.recipe.schema import (
 
 __all__ = [
     "BUILTIN_RECIPES",
+    "LORA_TARGETS",
     "DataRecipe",
+    "LoRARecipe",
     "ModelRecipe",
     "ParallelRecipe",
     "Recipe",

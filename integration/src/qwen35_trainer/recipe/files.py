@@ -87,6 +87,9 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
+        kinds = [option for option in options if option is not type(None)]
+        if len(kinds) == 1:  # ``X | None``: X's own message
+            return _coerce(where, kinds[0], value)
         for option in options:
             if option is type(None):
                 continue
@@ -106,6 +109,10 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
         return tuple(
             _coerce(f"{where}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value, strict=True))
         )
+    if dataclasses.is_dataclass(hint):  # a nested section (model.lora)
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return _section(where, hint, value)
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ValueError(f"{where}: expected a mapping, got {value!r}")

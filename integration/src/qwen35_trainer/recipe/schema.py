@@ -8,7 +8,78 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["DataRecipe", "ModelRecipe", "ParallelRecipe", "Recipe", "TrainRecipe"]
+__all__ = ["DataRecipe", "LoRARecipe", "ModelRecipe", "ParallelRecipe", "Recipe", "TrainRecipe"]
+
+# What model.lora.targets may name: the decoder's (and the MTP head's) projections, the shared
+# expert's, and the routed experts (grouped adapters inside the expert computation).
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "out_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "experts",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARecipe:
+    """Low-rank adapters instead of full fine-tuning (:mod:`qwen35_trainer.model.lora`): every
+    weight stays frozen and each target projection ``W`` computes ``W x + s · B A drop(x)``
+    with ``A`` [rank, in], ``B`` [out, rank] (zero at the start: the model starts as the base),
+    ``s = alpha / rank`` (``rslora``: ``alpha / sqrt(rank)``) and ``dropout`` on the adapter's
+    input. ``targets``: module names (:data:`LORA_TARGETS`; every one must match a module of
+    the model): the attention's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``, the Gated
+    DeltaNet's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` / ``out_proj``,
+    the shared expert's ``gate_proj`` / ``up_proj`` / ``down_proj``, and ``experts``: the
+    routed experts, one adapter pair per expert and projection (A [E, rank, in], B [E, out,
+    rank]) applied inside the grouped expert computation, of rank ``expert_rank`` (``None``:
+    ``rank``). The router, norms, embeddings and the vision tower stay frozen."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    expert_rank: int | None = None
+    rslora: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        _refuse(
+            "model.lora",
+            {
+                "rank": (_is_int(self.rank) and self.rank >= 1, "an integer >= 1"),
+                "alpha": (self.alpha > 0, "> 0"),
+                "dropout": (0.0 <= self.dropout < 1.0, "in [0, 1)"),
+                "expert_rank": (
+                    self.expert_rank is None
+                    or (_is_int(self.expert_rank) and self.expert_rank >= 1),
+                    "an integer >= 1, or null for model.lora.rank",
+                ),
+                "targets": (
+                    bool(self.targets) and not unknown,
+                    f"a non-empty list of {list(LORA_TARGETS)}"
+                    + (f" (unknown: {unknown})" if unknown else ""),
+                ),
+            },
+            self,
+        )
+
+    @property
+    def experts_rank(self) -> int:
+        """The routed experts' adapter rank."""
+        return self.expert_rank or self.rank
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +103,10 @@ class ModelRecipe:
     Kernels (:mod:`qwen35_trainer.model.kernels`): ``attention_backend`` (``auto``, ``torch``,
     ``flash``), ``gdn_backend`` (``auto``, ``torch``, ``fla``), ``expert_backend`` (``auto``,
     ``torch``, ``te``); ``auto`` takes the fast GPU kernel when it is installed and the run is on
-    CUDA, a named one that cannot run is an error."""
+    CUDA, a named one that cannot run is an error.
+
+    ``lora``: train low-rank adapters on a frozen model instead of every weight
+    (:class:`LoRARecipe`); ``None``: full fine-tuning."""
 
     text: dict[str, Any]
     vision: dict[str, Any]
@@ -48,6 +122,7 @@ class ModelRecipe:
     override: dict[str, Any] = dataclasses.field(default_factory=dict)
     mtp_layers: int | None = None
     init_missing_mtp: bool = False
+    lora: LoRARecipe | None = None
 
     def __post_init__(self) -> None:
         if self.path and self.weights:

@@ -53,6 +53,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -240,15 +241,24 @@ def _finish(
         dist.barrier()  # every rank sees the checkpoint before it goes on
 
 
+# A checkpoint holds what trains: the frozen weights of a LoRA run are the base checkpoint's
+# (``model.path``, named by the recipe saved beside), read again when the run is built. Loading
+# sets the trained parameters only (every one of them must be in the checkpoint: DCP's read
+# fails on a missing one before anything is set).
+SAVED = StateDictOptions(ignore_frozen_params=True)
+LOADED = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple:
-    """``(model state, optimizer state)`` by parameter name (no optimizer: ``None``), their
-    DTensors describing their true blocks for DCP (megatron-fsdp's uneven shards included,
-    :func:`fsdp_compat.dcp_ready`; megatron-fsdp's own hooks put its distributed parameters in
-    place for ``state_dict`` and install the loaded ones for compute after ``load_state_dict``)."""
+    """``(model state, optimizer state)`` by parameter name (no optimizer: ``None``) — the
+    parameters that train, :data:`SAVED` —, their DTensors describing their true blocks for
+    DCP (megatron-fsdp's uneven shards included, :func:`fsdp_compat.dcp_ready`; megatron-fsdp's
+    own hooks put its distributed parameters in place for ``state_dict`` and install the loaded
+    ones for compute after ``load_state_dict``)."""
     if optimizer is None:
-        model_state, optim_state = get_model_state_dict(model), None
+        model_state, optim_state = get_model_state_dict(model, options=SAVED), None
     else:
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=SAVED)
     dcp_ready(_sharded(model), model_state, *([optim_state] if optim_state else []))
     return model_state, optim_state
 
@@ -383,7 +393,7 @@ def load_model_weights(path: str | Path, model: nn.Module, *, checksums: bool = 
     path = _verified(path, checksums)
     state = {"model": _sharded_state(model, None)[0], "step": torch.tensor(0)}
     _read(path, state, partial=True)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=LOADED)
     return int(state["step"])
 
 
@@ -402,7 +412,11 @@ def load_checkpoint(
     state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
     _read(path, state)
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=LOADED,
     )
     return int(state["step"])
 

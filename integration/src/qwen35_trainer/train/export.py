@@ -10,6 +10,11 @@ video processors (``model.path``, else ``data.processor``), saved by ``AutoProce
 its ``generation_config.json``. A recipe without a processor gets the weights only, and the
 notes say so.
 
+A LoRA run (``model.lora``) exports its adapters by default (``lora``: ``peft``, PEFT's
+``target_parameters`` layout for the experts; ``per_expert``, 2-D adapters per expert;
+:mod:`qwen35_trainer.model.lora_export`) with ``base_model_name_or_path`` naming the base
+checkpoint, or with ``merged`` the merged weights as a whole checkpoint folder.
+
 A folder that is not empty is refused (it may hold another checkpoint's weights, which
 ``from_pretrained`` would load instead of the new ones: a lone ``model.safetensors`` is read
 before an index). With ``overwrite`` the weight files it holds — ``*.safetensors``, their
@@ -35,9 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_compat import full_tensor
 from qwen35_trainer.data.demo import resolve
 from qwen35_trainer.model import build_training_model, export_hf
 from qwen35_trainer.model.adapter import CheckpointFiles, expert_layout
+from qwen35_trainer.model.lora_export import LORA_FORMATS, write_adapter
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.recipe import ParallelRecipe, Recipe
 from qwen35_trainer.train.checkpoint import checkpoints_in, load_model_weights, newest_loadable
@@ -64,13 +71,17 @@ WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin
 class ExportOptions:
     """``overwrite``: replace the weights of a non-empty folder; ``experts``: ``source`` (the
     source checkpoint's layout, stacked without one), ``stacked`` or ``per_expert``;
-    ``dtype``: the tensors' dtype on disk (``None``: the source's, else the weights')."""
+    ``dtype``: the tensors' dtype on disk (``None``: the source's, else the weights');
+    ``lora``: a LoRA run's format (``peft``, ``per_expert`` or ``merged``; ``None``: ``peft``)."""
 
     overwrite: bool = False
     experts: str = "source"
     dtype: str | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is not None and self.lora not in LORA_FORMATS:
+            raise ValueError(f"lora must be one of {LORA_FORMATS}, got {self.lora!r}")
         if self.experts not in EXPERT_LAYOUTS:
             raise ValueError(f"experts must be one of {EXPERT_LAYOUTS}, got {self.experts!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -161,18 +172,31 @@ def export_model(
     notes on what was written (rank 0's)."""
     out = Path(out)
     check_export_dir(out, options.overwrite)
-    per_expert, dtype = _per_expert(recipe, options.experts), _dtype(recipe, options.dtype)
+    lora = recipe.model.lora
+    if options.lora is not None and lora is None:
+        raise ValueError(f"a LoRA export format ({options.lora}) for a recipe without model.lora")
     notes = []
     if rank() == 0 and out.is_dir():
         removed = _clear_weights(out)
         if removed:
             notes.append(f"removed the weights {out} held: {', '.join(removed)}")
-    export_hf(model, out, per_expert=per_expert, dtype=dtype)
-    written = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
-    layout = "per expert" if per_expert else "stacked"
-    if options.experts == "source" and per_expert:
-        layout += " (the source checkpoint's layout)"
-    notes.append(f"weights in {written}, routed experts {layout}")
+    fmt = (options.lora or "peft") if lora is not None else "merged"
+    if fmt != "merged":
+        base = recipe.model.weights_dir
+        per_expert = fmt == "per_expert"
+        write_adapter(
+            model, lora, out, full_tensor, per_expert=per_expert, base=base, writer=rank() == 0
+        )
+        notes.append(f"LoRA adapters ({fmt} layout, scales folded into B) for the base {base}")
+    else:
+        per_expert, dtype = _per_expert(recipe, options.experts), _dtype(recipe, options.dtype)
+        export_hf(model, out, per_expert=per_expert, dtype=dtype)
+        written = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+        layout = "per expert" if per_expert else "stacked"
+        if options.experts == "source" and per_expert:
+            layout += " (the source checkpoint's layout)"
+        merged = ", LoRA adapters merged" if lora is not None else ""
+        notes.append(f"weights in {written}, routed experts {layout}{merged}")
     if rank() == 0:
         notes += _beside_weights(recipe, out)
     if dist.is_initialized():
@@ -205,9 +229,15 @@ def export_checkpoint(
     check_export_dir(out, options.overwrite)  # before the weights are read
     # this launch's ranks as one FSDP group, fp32, the weights allocated (every value is then
     # read from the checkpoint)
+    # (a LoRA checkpoint holds the adapters: the frozen base is read from its checkpoint)
+    model = (
+        recipe.model
+        if recipe.model.lora
+        else dataclasses.replace(recipe.model, weights=None, path=None)
+    )
     built = dataclasses.replace(
         recipe,
-        model=dataclasses.replace(recipe.model, weights=None, path=None),
+        model=model,
         parallel=ParallelRecipe(dp=world()),
         train=dataclasses.replace(recipe.train, dtype="float32", activation_checkpointing=False),
     )

@@ -151,7 +151,7 @@ def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
     objective, layout = build_training_model(recipe, device, dims=dims)
     model, training = objective.model, recipe.train
     optimizer = build_optimizer(
-        objective.parameters(),
+        [p for p in objective.parameters() if p.requires_grad],  # LoRA: the adapters only
         optimizer_name(training.optimizer),
         lr=training.lr,
         betas=training.betas,

@@ -1,0 +1,120 @@
+"""LoRA on the Qwen3.5 MoE-VLM (``model.lora``): adapters on the decoder's projections and on
+the fused routed experts, everything else frozen.
+
+A target projection (an ``nn.Linear`` named in ``model.lora.targets``, in the decoder's layers;
+never the vision tower, nor the multi-token-prediction head, which transformers' model — what
+PEFT adapters load onto — does not have: it stays frozen, its loss still training the
+decoder's adapters) becomes a :class:`LoRALinear`: the same
+module and weight, plus ``lora_A`` [r, in] and ``lora_B`` [out, r], computing ``W x + s · B A
+drop(x)``. The routed experts get :class:`moe_parallel.ExpertLoRA` adapters, applied inside the
+grouped expert computation (``experts.lora.{gate_up,down}_{A,B}``, stacked by expert; never an
+``[E, out, in]`` delta). ``B`` starts at zero, so the model starts as its base bit for bit;
+``A`` is Kaiming-uniform. Both are name-seeded like every parameter
+(:mod:`qwen35_trainer.model.init`), so every layout starts from the same adapters, and they are
+never read from the base checkpoint. Every other parameter is frozen (``requires_grad`` off):
+no gradient, no optimizer state, and checkpoints hold the adapters only.
+
+The merged weight of an adapted projection (:func:`merged`) is ``W + s · B A`` per expert; a
+merged model computes the adapted one's function (up to rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_parallel import LoRASpec, add_expert_lora
+from moe_parallel.moe import Experts
+
+__all__ = ["LoRALinear", "add_lora", "is_adapter", "lora_spec", "merged"]
+
+# adapter parameters: LoRALinear's own, and the experts' ExpertLoRA (``experts.lora.*``)
+_ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
+_EXPERT_ADAPTERS = ".experts.lora."
+# where adapters go: the decoder's layers (the vision tower and the MTP head stay as they are)
+_ADAPTED_PREFIXES = ("model.language_model.layers.",)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter ``name`` (canonical) is a LoRA adapter."""
+    return name.endswith(_ADAPTER_SUFFIXES) or _EXPERT_ADAPTERS in name
+
+
+class LoRALinear(nn.Linear):
+    """``nn.Linear`` with an adapter: ``lora_A`` [r, in], ``lora_B`` [out, r], ``lora_scale``
+    s and ``lora_dropout`` (the probability on the adapter's input, in training)."""
+
+    lora_scale: float
+    lora_dropout: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        x_in = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        return y + self.lora_scale * F.linear(F.linear(x_in, self.lora_A), self.lora_B)
+
+
+def lora_spec(lora, *, experts: bool = False) -> LoRASpec:
+    """The adapters' :class:`moe_parallel.LoRASpec` of the recipe's ``model.lora``
+    (``experts``: the routed experts', of rank ``expert_rank``)."""
+    rank = lora.experts_rank if experts else lora.rank
+    return LoRASpec(rank, lora.alpha, lora.dropout, lora.rslora)
+
+
+def _to_lora_linear(module: nn.Linear, spec: LoRASpec) -> None:
+    device = module.weight.device
+    module.__class__ = LoRALinear
+    module.lora_A = nn.Parameter(torch.empty(spec.rank, module.in_features, device=device))
+    module.lora_B = nn.Parameter(torch.zeros(module.out_features, spec.rank, device=device))
+    module.lora_scale, module.lora_dropout = spec.scale, spec.dropout
+
+
+def add_lora(model: nn.Module, lora) -> list[str]:
+    """Adapt ``model``'s targets (the recipe's ``model.lora``) and freeze every other
+    parameter, in place (before any parallelism); returns the adapted modules' names.
+    ``ValueError`` naming a target that matches no module."""
+    spec = lora_spec(lora)
+    adapted, unmatched = [], []
+    for target in lora.targets:
+        if target == "experts":
+            found = add_expert_lora(model, lora_spec(lora, experts=True))
+            adapted += [f"{name}.lora" for name in found]
+            continue
+        found = [
+            (name, module)
+            for name, module in model.named_modules()
+            if name.startswith(_ADAPTED_PREFIXES)
+            and name.endswith(f".{target}")
+            and isinstance(module, nn.Linear)
+        ]
+        if not found:
+            unmatched.append(target)
+        for name, module in found:
+            _to_lora_linear(module, spec)
+            adapted.append(name)
+    if unmatched:
+        raise ValueError(
+            f"model.lora.targets {unmatched} match no projection of the model (its decoder "
+            "layers hold q/k/v/o_proj on attention layers, in_proj_*/out_proj on Gated "
+            "DeltaNet layers, gate/up/down_proj in the shared expert)"
+        )
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+    return adapted
+
+
+def merged(module: nn.Module, attr: str, full: Callable[[torch.Tensor], torch.Tensor]):
+    """The merged value of ``module``'s weight ``attr`` — ``W + s · B A`` (per expert for the
+    routed experts) — or ``None`` when it has no adapter; ``full`` gathers a (sharded)
+    parameter whole."""
+    if isinstance(module, LoRALinear) and attr == "weight":
+        delta = full(module.lora_B) @ full(module.lora_A)
+        return full(module.weight) + module.lora_scale * delta
+    lora = getattr(module, "lora", None) if isinstance(module, Experts) else None
+    if lora is None or attr not in ("gate_up_proj", "down_proj"):
+        return None
+    part = "gate_up" if attr == "gate_up_proj" else "down"
+    a, b = full(getattr(lora, f"{part}_A")), full(getattr(lora, f"{part}_B"))
+    return full(getattr(module, attr)) + lora.spec.scale * torch.bmm(b, a)

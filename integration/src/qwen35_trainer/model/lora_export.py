@@ -1,0 +1,137 @@
+"""A LoRA run's adapters as the files PEFT and the inference servers load.
+
+Two adapter layouts, both with the scale ``s`` (``alpha / r``, rsLoRA's ``alpha / sqrt(r)``)
+folded into ``B`` and ``lora_alpha = r`` in ``adapter_config.json`` — and, where the experts'
+rank differs, ``rank_pattern`` / ``alpha_pattern`` giving them ``lora_alpha = rank`` too — so
+the scale is 1 everywhere: a loader that ignores the patterns (vLLM does) still computes the
+trained function. Keys are PEFT's, ``base_model.model.{module}.lora_{A,B}.weight``:
+
+- ``peft`` (PEFT >= 0.19.1's ``target_parameters`` layout for the fused experts, the layout
+  vLLM reads Qwen3.5-MoE expert adapters in): ``target_parameters = ["experts.gate_up_proj",
+  "experts.down_proj"]``; PEFT wraps a module's parameters in their registration order,
+  ``gate_up_proj`` first, so its adapter sits under ``experts.base_layer.`` and
+  ``down_proj``'s under ``experts.``; each ``lora_A`` is
+  ``[E·r, in]`` (row ``e·r + k`` = our ``A[e, k]``) and each ``lora_B`` ``[out, r·E]``
+  (column ``k·E + e`` = our ``B[e, :, k]``).
+- ``per_expert`` (2-D adapters per expert, as servers read Qwen3-MoE's): ``experts.{e}.
+  {gate,up,down}_proj.lora_{A,B}.weight``; ``gate_proj`` and ``up_proj`` share the expert's
+  ``A`` (one input) and take the first / second half of its ``B``'s rows.
+
+The dense projections' adapters are ``lora_A`` [r, in] and ``lora_B`` [out, r] in both.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe_parallel.moe import Experts
+from qwen35_trainer.model.lora import LoRALinear
+from qwen35_trainer.model.params import canonical_name
+
+__all__ = ["LORA_FORMATS", "adapter_config", "adapter_tensors", "write_adapter"]
+
+LORA_FORMATS = ("peft", "per_expert", "merged")
+PREFIX = "base_model.model."
+EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]  # PEFT's wrapping order
+
+
+def _dense(name: str, module: LoRALinear, full: Callable) -> Iterator[tuple[str, torch.Tensor]]:
+    yield f"{PREFIX}{name}.lora_A.weight", full(module.lora_A)
+    yield f"{PREFIX}{name}.lora_B.weight", module.lora_scale * full(module.lora_B)
+
+
+def _experts(name: str, module: Experts, full: Callable, per_expert: bool):
+    lora = module.lora
+    s = lora.spec.scale
+    gate_up_a, gate_up_b = full(lora.gate_up_A), s * full(lora.gate_up_B)
+    down_a, down_b = full(lora.down_A), s * full(lora.down_B)
+    experts, rank, _ = gate_up_a.shape
+    if per_expert:
+        half = gate_up_b.shape[1] // 2
+        for e in range(experts):
+            at = f"{PREFIX}{name}.{e}"
+            yield f"{at}.gate_proj.lora_A.weight", gate_up_a[e]
+            yield f"{at}.gate_proj.lora_B.weight", gate_up_b[e, :half]
+            yield f"{at}.up_proj.lora_A.weight", gate_up_a[e]
+            yield f"{at}.up_proj.lora_B.weight", gate_up_b[e, half:]
+            yield f"{at}.down_proj.lora_A.weight", down_a[e]
+            yield f"{at}.down_proj.lora_B.weight", down_b[e]
+        return
+    for at, a, b in ((f"{name}.base_layer", gate_up_a, gate_up_b), (name, down_a, down_b)):
+        yield f"{PREFIX}{at}.lora_A.weight", a.reshape(experts * rank, a.shape[-1])
+        yield f"{PREFIX}{at}.lora_B.weight", b.permute(1, 2, 0).reshape(b.shape[1], -1)
+
+
+def adapter_tensors(model: nn.Module, full: Callable, *, per_expert: bool):
+    """``(key, tensor)`` of every adapter of ``model`` in module order (module docstring);
+    ``full`` gathers a (sharded) parameter whole — a collective: every rank calls this."""
+    for path, module in model.named_modules():
+        name = canonical_name(path)
+        if isinstance(module, LoRALinear):
+            yield from _dense(name, module, full)
+        elif isinstance(module, Experts) and module.lora is not None:
+            yield from _experts(name, module, full, per_expert)
+
+
+def adapter_config(lora, *, per_expert: bool, base: str | None) -> dict:
+    """``adapter_config.json`` for the recipe's ``model.lora`` (scales folded, module
+    docstring); ``base``: the base checkpoint's folder (``base_model_name_or_path``)."""
+    dense = [t for t in lora.targets if t != "experts"]
+    experts = "experts" in lora.targets
+    if experts and per_expert:
+        dense = sorted({*dense, "gate_proj", "up_proj", "down_proj"})
+    config = {
+        "peft_type": "LORA",
+        "base_model_name_or_path": base,
+        "r": lora.rank,
+        "lora_alpha": lora.rank,
+        "target_modules": sorted(dense),
+        "target_parameters": EXPERT_PARAMETERS if experts and not per_expert else None,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "modules_to_save": None,
+        "task_type": None,
+    }
+    if experts and lora.experts_rank != lora.rank:
+        # PEFT matches a pattern against the end of a module's name, for a target parameter
+        # against "{module}.{parameter}"
+        keys = [r"experts\.\d+\.(gate|up|down)_proj"] if per_expert else EXPERT_PARAMETERS
+        config["rank_pattern"] = dict.fromkeys(keys, lora.experts_rank)
+        config["alpha_pattern"] = dict.fromkeys(keys, lora.experts_rank)
+    return config
+
+
+def write_adapter(
+    model: nn.Module,
+    lora,
+    out: Path,
+    full: Callable,
+    *,
+    per_expert: bool,
+    base: str | None,
+    writer: bool,
+) -> None:
+    """Write ``adapter_model.safetensors`` and ``adapter_config.json`` into ``out`` (only
+    where ``writer``; every rank gathers the adapters with ``full``)."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        key: value.detach().to("cpu", torch.float32, copy=True).contiguous()
+        for key, value in adapter_tensors(model, full, per_expert=per_expert)
+    }
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = adapter_config(lora, per_expert=per_expert, base=base)
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
