@@ -127,15 +127,18 @@ def check_checkpoints_cross_backends(path, reference_logs, reference_state) -> N
             assert_same_run(result.logs, reference_logs[1:], state, reference_state)
 
 
-def check_resume_equals_uninterrupted(overrides, path, reference_logs, reference_state) -> None:
+def check_resume_equals_uninterrupted(
+    overrides, path, reference_logs, reference_state, compare=None
+) -> None:
     """Stop after 1 step (checkpoint), start again: steps 2..3 and the final parameters equal
-    the uninterrupted one-process run."""
+    the uninterrupted one-process run. ``compare``: :func:`assert_same_run` keyword
+    arguments."""
     world = dist.get_world_size()
     first = train(layout_recipe(world, *overrides, "train.steps=1", f"train.checkpoint_dir={path}"))
     assert [log.step for log in first.logs] == [1]
     result = train(layout_recipe(world, *overrides, f"train.checkpoint_dir={path}"))
     state = result.objective.model.state_dict()
-    assert_same_run(result.logs, reference_logs[1:], state, reference_state)
+    assert_same_run(result.logs, reference_logs[1:], state, reference_state, **(compare or {}))
 
 
 def check_resume_skips_a_damaged_checkpoint(

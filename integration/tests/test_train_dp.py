@@ -52,6 +52,9 @@ from dist_testkit import named_check, run_checks
 from qwen35_trainer import train
 
 MTP_ON = ("data.packing=true", "model.mtp_layers=1")
+# LoRA (model.lora): adapters on every projection and the routed experts (their own rank),
+# alpha != rank; everything else frozen
+LORA = ("model.lora.rank=4", "model.lora.alpha=12", "model.lora.expert_rank=8")
 
 # name -> (overrides, reference variant, world sizes). {world}, {half}, {rows}, {export} are
 # filled per launch; a reference variant is the one-process run with the same data and options.
@@ -263,6 +266,22 @@ LAYOUTS = {
         "text_only",
         (4,),
     ),
+    # LoRA: the adapters sharded with their experts (EP 2); under DP 2 x CP 2 x EP 2 with
+    # checkpointing and the (frozen) MTP head, whose loss trains the decoder's adapters
+    "lora_ep2": (("parallel.ep=2", *LORA), "lora", (2,)),
+    "lora_dp2_cp2_ep2": (
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank=2",
+            "train.activation_checkpointing=true",
+            *MTP_ON,
+            *LORA,
+        ),
+        "lora_mtp",
+        (4,),
+    ),
     # bf16 (fp32 master weights and reduction) against one-process bf16, with the MTP head;
     # see BF16_COMPARE
     "bf16_dp2_cp2_ep2": (
@@ -340,6 +359,8 @@ VARIANTS = {
     "mtp": MTP_ON,
     "mtp_bf16": (*MTP_ON, "train.dtype=bfloat16"),
     "eval_no_aux": ("train.eval_every=1", "train.router_aux_loss_coef=0"),
+    "lora": LORA,
+    "lora_mtp": (*MTP_ON, *LORA),
 }
 # bf16 rounds every matmul input to 8 mantissa bits and the ranks add partial results in another
 # order than one process, so the runs agree to bf16 resolution (2^-8 = 0.4 % per rounding), not
@@ -351,6 +372,7 @@ BF16_COMPARE = {"rel": 2e-2, "param_norm_rel": 2e-2}
 COMPARE = {
     "no_aux": {"fields": ("loss", "ce", "grad_norm")},
     "mtp": {"fields": (*FIELDS, "mtp_loss")},
+    "lora_mtp": {"fields": (*FIELDS, "mtp_loss")},
     "mtp_bf16": {**BF16_COMPARE, "fields": (*FIELDS, "mtp_loss")},
     "eval_no_aux": {"fields": ("loss", "ce", "grad_norm", "eval_loss", "eval_accuracy")},
 }
@@ -438,6 +460,15 @@ def launch(request, references, tmp_path_factory):
         str(tmp_path_factory.mktemp(f"damaged_ckpt_world{world}")),
         *references["base"],
     )
+    if world == 4:  # a LoRA run stopped and resumed from its adapter checkpoint
+        checks["resume_lora"] = named_check(
+            "resume_lora@4",
+            check_resume_equals_uninterrupted,
+            LAYOUTS["lora_dp2_cp2_ep2"][0],
+            str(tmp_path_factory.mktemp("lora_ckpt")),
+            *references["lora_mtp"],
+            COMPARE["lora_mtp"],
+        )
     for name, overrides in REPEATS.items():
         if world == 4:  # the tiny recipe's own 4 ranks
             checks[name] = named_check(
@@ -458,7 +489,15 @@ REPEATS = {
 
 @pytest.mark.parametrize(
     "layout",
-    [*LAYOUTS, "resume", "resume_async", "resume_damaged", "cross_backend_resume", *REPEATS],
+    [
+        *LAYOUTS,
+        "resume",
+        "resume_async",
+        "resume_damaged",
+        "resume_lora",
+        "cross_backend_resume",
+        *REPEATS,
+    ],
 )
 def test_layout_equals_one_process(launch, layout):
     checks, report, _, _ = launch

@@ -17,6 +17,7 @@ from moe_parallel import (
     apply_expert_parallel,
     apply_tensor_parallel,
 )
+from moe_parallel.lora import ADAPTERS as LORA_ADAPTERS
 
 REPLICATED = (
     "gate.weight",
@@ -26,7 +27,7 @@ REPLICATED = (
     "shared_expert.down_proj.weight",
 )
 EXPERT = ("experts.gate_up_proj", "experts.down_proj")
-ADAPTERS = tuple(f"experts.lora.{n}" for n in ("gate_up_A", "gate_up_B", "down_A", "down_B"))
+ADAPTERS = tuple(f"experts.{n}" for n in LORA_ADAPTERS)
 SHARED_PLAN = {
     "shared_expert.gate_proj": ColwiseParallel(),
     "shared_expert.up_proj": ColwiseParallel(),
@@ -245,7 +246,7 @@ def check_ep_lora_parity() -> None:
     xs, gs = _rank_inputs(world, seed=90)
     ref, y_ref, gx_ref = _reference(xs, gs, moe=lora_moe())
     moe = apply_expert_parallel(lora_moe(), make_mesh((world,), ("ep",)))
-    assert moe.experts.lora.gate_up_A.to_local().shape[0] == 8 // world
+    assert moe.experts.lora_gate_up_A.to_local().shape[0] == 8 // world
     x = xs[rank].clone().requires_grad_()
     y = moe(x)
     (y * gs[rank]).sum().backward()

@@ -38,7 +38,7 @@ def lora_moe(seed: int = 0, spec: LoRASpec = LORA) -> MoE:
     add_expert_lora(moe, spec)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for b in (moe.experts.lora.gate_up_B, moe.experts.lora.down_B):
+        for b in (moe.experts.lora_gate_up_B, moe.experts.lora_down_B):
             b.copy_(0.3 * torch.randn(b.shape, generator=g))
     moe.experts.gate_up_proj.requires_grad_(False)
     moe.experts.down_proj.requires_grad_(False)

@@ -96,7 +96,7 @@ def test_scale_dropout_and_refusals():
     moe = MoE(H, E, 2, INTER, init_std=0.3)
     add_expert_lora(moe, LoRASpec(R, 8.0, dropout=0.5))
     with torch.no_grad():
-        moe.experts.lora.down_B.normal_()
+        moe.experts.lora_down_B.normal_()
     x = torch.randn(1, 9, H)
     moe.eval()
     evaluated = moe(x)

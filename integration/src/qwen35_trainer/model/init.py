@@ -25,7 +25,6 @@ import math
 import torch
 from torch import nn
 
-from moe_parallel import ExpertLoRA
 from moe_parallel.moe import Experts
 from qwen35_trainer.model.lora import LoRALinear
 
@@ -57,15 +56,16 @@ def init_rule(module: nn.Module, name: str, std: float) -> tuple:
         }
     elif isinstance(module, nn.Linear | nn.Conv1d | nn.Conv3d | nn.Embedding):
         rules = {"weight": ("normal", std), "bias": ("zeros",)}
-    elif isinstance(module, ExpertLoRA):
-        rules = {
-            f"{part}_A": ("uniform", 1.0 / math.sqrt(getattr(module, f"{part}_A").shape[-1]))
-            for part in ("gate_up", "down")
-        } | {"gate_up_B": ("zeros",), "down_B": ("zeros",)}
+
     elif "Qwen3_5MoeTopKRouter" in kinds:
         rules = {"weight": ("normal", std)}
     elif isinstance(module, Experts):
         rules = {"gate_up_proj": ("normal", std), "down_proj": ("normal", std)}
+        for part in ("gate_up", "down"):  # LoRA adapters: A [E, r, in], B [E, out, r]
+            a = getattr(module, f"lora_{part}_A", None)
+            if a is not None:
+                rules[f"lora_{part}_A"] = ("uniform", 1.0 / math.sqrt(a.shape[-1]))
+                rules[f"lora_{part}_B"] = ("zeros",)
     else:
         rules = {}
     if name not in rules:

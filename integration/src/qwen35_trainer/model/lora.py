@@ -6,9 +6,9 @@ never the vision tower, nor the multi-token-prediction head, which transformers'
 PEFT adapters load onto — does not have: it stays frozen, its loss still training the
 decoder's adapters) becomes a :class:`LoRALinear`: the same
 module and weight, plus ``lora_A`` [r, in] and ``lora_B`` [out, r], computing ``W x + s · B A
-drop(x)``. The routed experts get :class:`moe_parallel.ExpertLoRA` adapters, applied inside the
-grouped expert computation (``experts.lora.{gate_up,down}_{A,B}``, stacked by expert; never an
-``[E, out, in]`` delta). ``B`` starts at zero, so the model starts as its base bit for bit;
+drop(x)``. The routed experts get adapters applied inside the grouped expert computation
+(:func:`moe_parallel.add_expert_lora`: ``experts.lora_{gate_up,down}_{A,B}``, stacked by
+expert; never an ``[E, out, in]`` delta). ``B`` starts at zero, so the model starts as its base bit for bit;
 ``A`` is Kaiming-uniform. Both are name-seeded like every parameter
 (:mod:`qwen35_trainer.model.init`), so every layout starts from the same adapters, and they are
 never read from the base checkpoint. Every other parameter is frozen (``requires_grad`` off):
@@ -31,9 +31,9 @@ from moe_parallel.moe import Experts
 
 __all__ = ["LoRALinear", "add_lora", "is_adapter", "lora_spec", "merged"]
 
-# adapter parameters: LoRALinear's own, and the experts' ExpertLoRA (``experts.lora.*``)
+# adapter parameters: LoRALinear's own, and the experts' (``experts.lora_*``)
 _ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
-_EXPERT_ADAPTERS = ".experts.lora."
+_EXPERT_ADAPTERS = ".experts.lora_"
 # where adapters go: the decoder's layers (the vision tower and the MTP head stay as they are)
 _ADAPTED_PREFIXES = ("model.language_model.layers.",)
 
@@ -79,8 +79,7 @@ def add_lora(model: nn.Module, lora) -> list[str]:
     adapted, unmatched = [], []
     for target in lora.targets:
         if target == "experts":
-            found = add_expert_lora(model, lora_spec(lora, experts=True))
-            adapted += [f"{name}.lora" for name in found]
+            adapted += add_expert_lora(model, lora_spec(lora, experts=True))
             continue
         found = [
             (name, module)
@@ -112,9 +111,9 @@ def merged(module: nn.Module, attr: str, full: Callable[[torch.Tensor], torch.Te
     if isinstance(module, LoRALinear) and attr == "weight":
         delta = full(module.lora_B) @ full(module.lora_A)
         return full(module.weight) + module.lora_scale * delta
-    lora = getattr(module, "lora", None) if isinstance(module, Experts) else None
-    if lora is None or attr not in ("gate_up_proj", "down_proj"):
+    spec = module.lora_spec if isinstance(module, Experts) else None
+    if spec is None or attr not in ("gate_up_proj", "down_proj"):
         return None
     part = "gate_up" if attr == "gate_up_proj" else "down"
-    a, b = full(getattr(lora, f"{part}_A")), full(getattr(lora, f"{part}_B"))
-    return full(getattr(module, attr)) + lora.spec.scale * torch.bmm(b, a)
+    a, b = full(getattr(module, f"lora_{part}_A")), full(getattr(module, f"lora_{part}_B"))
+    return full(getattr(module, attr)) + spec.scale * torch.bmm(b, a)

@@ -46,10 +46,9 @@ def _dense(name: str, module: LoRALinear, full: Callable) -> Iterator[tuple[str,
 
 
 def _experts(name: str, module: Experts, full: Callable, per_expert: bool):
-    lora = module.lora
-    s = lora.spec.scale
-    gate_up_a, gate_up_b = full(lora.gate_up_A), s * full(lora.gate_up_B)
-    down_a, down_b = full(lora.down_A), s * full(lora.down_B)
+    s = module.lora_spec.scale
+    gate_up_a, gate_up_b = full(module.lora_gate_up_A), s * full(module.lora_gate_up_B)
+    down_a, down_b = full(module.lora_down_A), s * full(module.lora_down_B)
     experts, rank, _ = gate_up_a.shape
     if per_expert:
         half = gate_up_b.shape[1] // 2
@@ -74,7 +73,7 @@ def adapter_tensors(model: nn.Module, full: Callable, *, per_expert: bool):
         name = canonical_name(path)
         if isinstance(module, LoRALinear):
             yield from _dense(name, module, full)
-        elif isinstance(module, Experts) and module.lora is not None:
+        elif isinstance(module, Experts) and module.lora_spec is not None:
             yield from _experts(name, module, full, per_expert)
 
 

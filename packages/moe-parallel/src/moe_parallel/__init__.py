@@ -4,7 +4,7 @@ from moe_parallel.checkpointing import apply_activation_checkpointing, sdpa_pres
 from moe_parallel.dispatch import all_to_all_expert_compute
 from moe_parallel.expert_parallel import apply_expert_parallel
 from moe_parallel.grouped import LoRAFactors, expert_swiglu
-from moe_parallel.lora import ExpertLoRA, LoRASpec, add_expert_lora
+from moe_parallel.lora import LoRASpec, add_expert_lora
 from moe_parallel.moe import MoE, MoEStats, load_balancing_loss
 from moe_parallel.tensor_parallel import apply_tensor_parallel, validate_tp_plan
 from moe_parallel.transformers import swap_moe_blocks
@@ -12,7 +12,6 @@ from moe_parallel.transformers import swap_moe_blocks
 __version__ = "0.2.0"
 
 __all__ = [
-    "ExpertLoRA",
     "LoRAFactors",
     "LoRASpec",
     "MoE",

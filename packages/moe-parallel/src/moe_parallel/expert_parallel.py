@@ -65,11 +65,9 @@ def apply_expert_parallel(
             )
     for _, module in experts:
         # every parameter is stacked by expert: the weights and their adapters
-        for pname, param in list(module.named_parameters()):
-            owner, _, leaf = pname.rpartition(".")
-            holder = module.get_submodule(owner) if owner else module
+        for pname, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
-            setattr(holder, leaf, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            setattr(module, pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.ep_group = ep_mesh.get_group()
         if tp_mesh is not None and tp_mesh.size() > 1:
             module.tp_group = tp_mesh.get_group()

@@ -13,9 +13,13 @@ two grouped GEMMs through the rank ``r``: the ``[E, out, in]`` delta is never fo
 an exact zero added to the base product). Every adapter stays in the autograd graph, so an
 expert that received no rows gets zero adapter gradients, never ``None``.
 
-Expert parallelism shards the adapters with their experts (dim 0, :func:`moe_parallel.
-apply_expert_parallel`): the rows that reach an expert's rank meet its adapters there, so the
-adapters' gradients, like the experts', equal the one-process ones.
+The adapters are parameters of the :class:`~moe_parallel.moe.Experts` module itself
+(``lora_gate_up_A`` …), not of a submodule: whatever shards the experts shards them the same
+way and gathers them when the experts run — expert parallelism on dim 0
+(:func:`moe_parallel.apply_expert_parallel`: the rows that reach an expert's rank meet its
+adapters there, so the adapters' gradients, like the experts', equal the one-process ones),
+and an FSDP unit around the experts (a submodule would be a unit of its own, never run, so
+never gathered).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["ExpertLoRA", "LoRASpec", "add_expert_lora"]
+__all__ = ["ADAPTERS", "LoRASpec", "add_expert_lora", "reset_expert_lora"]
+
+# the adapter parameters of an Experts module: A [E, r, in], B [E, out, r] per projection
+ADAPTERS = ("lora_gate_up_A", "lora_gate_up_B", "lora_down_A", "lora_down_B")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,40 +57,26 @@ class LoRASpec:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
-class ExpertLoRA(nn.Module):
-    """The adapters of one :class:`~moe_parallel.moe.Experts` module: ``gate_up_A`` [E, r, H],
-    ``gate_up_B`` [E, 2I, r], ``down_A`` [E, r, I], ``down_B`` [E, H, r]. ``A`` starts
-    Kaiming-uniform (per expert, as for a Linear of fan-in ``in``), ``B`` at zero."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, spec: LoRASpec) -> None:
-        super().__init__()
-        self.spec = spec
-        r = spec.rank
-        self.gate_up_A = nn.Parameter(torch.empty(num_experts, r, hidden))
-        self.gate_up_B = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, r))
-        self.down_A = nn.Parameter(torch.empty(num_experts, r, intermediate))
-        self.down_B = nn.Parameter(torch.zeros(num_experts, hidden, r))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            for a in (self.gate_up_A, self.down_A):
-                bound = 1.0 / math.sqrt(a.shape[-1])  # kaiming_uniform(a=sqrt(5)) of a Linear
-                a.uniform_(-bound, bound)
-            self.gate_up_B.zero_()
-            self.down_B.zero_()
-
-    def local(self) -> tuple[torch.Tensor, ...]:
-        """This rank's ``(gate_up_A, gate_up_B, down_A, down_B)`` (the local shards under EP)."""
-        weights = (self.gate_up_A, self.gate_up_B, self.down_A, self.down_B)
-        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in weights)
+def reset_expert_lora(experts: nn.Module) -> None:
+    """``A`` Kaiming-uniform (per expert, as for a Linear of fan-in ``in``: ``uniform(±1 /
+    sqrt(in))``), ``B`` zero."""
+    with torch.no_grad():
+        for name in ADAPTERS:
+            weight = getattr(experts, name)
+            if name.endswith("_A"):
+                bound = 1.0 / math.sqrt(weight.shape[-1])
+                weight.uniform_(-bound, bound)
+            else:
+                weight.zero_()
 
 
 def add_expert_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
-    """Give every :class:`~moe_parallel.moe.Experts` module of ``model`` an
-    :class:`ExpertLoRA` (``experts.lora``), before expert parallelism; returns their module
-    names. The experts' own weights are left as they are (freeze them with
-    ``requires_grad_(False)`` to train the adapters only)."""
+    """Give every :class:`~moe_parallel.moe.Experts` module of ``model`` adapters
+    (:data:`ADAPTERS`: ``lora_gate_up_A`` [E, r, H], ``lora_gate_up_B`` [E, 2I, r],
+    ``lora_down_A`` [E, r, I], ``lora_down_B`` [E, H, r]; :func:`reset_expert_lora`) and its
+    ``lora_spec``, before expert parallelism; returns their module names. The experts' own
+    weights are left as they are (freeze them with ``requires_grad_(False)`` to train the
+    adapters only)."""
     from moe_parallel.moe import Experts
 
     found = []
@@ -92,12 +85,20 @@ def add_expert_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
             continue
         if module.ep_group is not None:
             raise ValueError(f"{name}: add expert LoRA before apply_expert_parallel")
-        if module.lora is not None:
+        if module.lora_spec is not None:
             raise ValueError(f"{name}: the experts already have LoRA adapters")
-        num_experts, two_i, hidden = module.gate_up_proj.shape
-        device = module.gate_up_proj.device
-        with torch.device(device):
-            module.lora = ExpertLoRA(num_experts, hidden, two_i // 2, spec)
+        experts, two_i, hidden = module.gate_up_proj.shape
+        r, device = spec.rank, module.gate_up_proj.device
+        shapes = (
+            (experts, r, hidden),
+            (experts, two_i, r),
+            (experts, r, two_i // 2),
+            (experts, hidden, r),
+        )
+        for attr, shape in zip(ADAPTERS, shapes, strict=True):
+            module.register_parameter(attr, nn.Parameter(torch.empty(shape, device=device)))
+        module.lora_spec = spec
+        reset_expert_lora(module)
         found.append(name)
     if not found:
         raise ValueError(f"{type(model).__name__} has no moe_parallel Experts to adapt")

@@ -106,8 +106,9 @@ class Experts(nn.Module):
     the EP mesh and ``ep_group`` is set; rows then travel to their expert's rank and back.
     ``tp_group`` (set by ``apply_expert_parallel(..., tp_mesh=...)``) splits identical tokens
     over TP ranks before the dispatch. ``backend`` is the :func:`moe_parallel.expert_swiglu`
-    backend (``"auto"``, ``"torch"`` or ``"te"``). ``lora``: the experts' low-rank adapters
-    (:func:`moe_parallel.add_expert_lora`), applied inside the grouped computation.
+    backend (``"auto"``, ``"torch"`` or ``"te"``). ``lora_spec``: set with the experts'
+    low-rank adapters (:func:`moe_parallel.add_expert_lora`), applied inside the grouped
+    computation.
     """
 
     def __init__(
@@ -122,7 +123,7 @@ class Experts(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.register_module("lora", None)
+        self.lora_spec: Any = None
         self.ep_group: Any = None
         self.tp_group: Any = None
 
@@ -131,6 +132,17 @@ class Experts(nn.Module):
         if hasattr(gate_up, "to_local"):
             return gate_up.to_local(), down.to_local()
         return gate_up, down
+
+    def _lora_factors(self) -> LoRAFactors | None:
+        """This rank's adapters (dropout only in training), or ``None`` without them."""
+        spec = self.lora_spec
+        if spec is None:
+            return None
+        from moe_parallel.lora import ADAPTERS
+
+        weights = [getattr(self, name) for name in ADAPTERS]
+        local = [w.to_local() if hasattr(w, "to_local") else w for w in weights]
+        return LoRAFactors(*local, scale=spec.scale, dropout=spec.dropout if self.training else 0.0)
 
     # Inside a torch.compile-d block the routed experts run eagerly: their row counts are
     # data-dependent (bincount, the dispatch's split sizes), so Dynamo breaks the graph here
@@ -165,11 +177,7 @@ class Experts(nn.Module):
         # multi-threaded CPU (run-to-run different sums); index_add_ adds them in a fixed order
         x_sorted = x_NH.index_select(0, order // k)
         gate_up, down = self._local_weights()
-        lora = None
-        if self.lora is not None:
-            spec = self.lora.spec
-            dropout = spec.dropout if self.training else 0.0
-            lora = LoRAFactors(*self.lora.local(), scale=spec.scale, dropout=dropout)
+        lora = self._lora_factors()
 
         def compute(rows_MH: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
             return expert_swiglu(
