@@ -30,6 +30,9 @@ SMALL = {
         "train.dtype=bfloat16",
         "data.samples_per_rank=2",
     ),
+    # LoRA in bf16 on the tiny recipe's layout: the frozen base stored in bf16, gradients and
+    # optimizer state of the adapters only
+    "lora_bf16": ("model.lora.rank=4", "model.lora.expert_rank=8", "train.dtype=bfloat16"),
 }
 
 
@@ -69,6 +72,29 @@ def test_each_public_size_fits_gpus_of_80_gib_with_the_headroom(name, tmp_path, 
     assert result["predicted_peak_gib"] == pytest.approx(peak)
     assert result["fits"] and peak <= 80
     assert all(v > 0 for v in result["communication_bytes_per_step"].values())
+
+
+# the LoRA recipes of the public sizes: world, layout, and the predicted peak (GiB; README)
+LORA = {
+    "qwen3_5_35b_a3b_lora": (4, {"dp": 1, "cp": 4, "ep": 4}, 55.09),
+    "qwen3_5_122b_a10b_lora": (8, {"dp": 1, "cp": 8, "ep": 8}, 75.40),
+    "qwen3_5_397b_a17b_lora": (32, {"dp": 1, "cp": 32, "ep": 32}, 61.91),
+}
+
+
+@pytest.mark.parametrize("name", LORA)
+def test_lora_recipes_fit_on_far_fewer_gpus(name, tmp_path):
+    """The frozen bf16 base is the parameters' bulk; gradients and optimizer state are the
+    adapters' (under a tenth of the base here)."""
+    world, layout, peak = LORA[name]
+    out = tmp_path / "plan.json"
+    assert main(["plan", name, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["world"] == world and result["fits"]
+    assert result["layout"] == {"dp_replicate": 1, "tp": 1, **layout}
+    assert result["predicted_peak_gib"] == pytest.approx(peak, abs=0.01)
+    for terms in result["ranks"].values():
+        assert terms["gradients"] < 0.1 * terms["parameters"], terms
 
 
 def test_headroom_terms_change_the_verdict_and_the_exit_code(capsys, monkeypatch):

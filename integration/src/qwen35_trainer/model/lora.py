@@ -29,7 +29,7 @@ from torch import nn
 from moe_parallel import LoRASpec, add_expert_lora
 from moe_parallel.moe import Experts
 
-__all__ = ["LoRALinear", "add_lora", "is_adapter", "lora_spec", "merged"]
+__all__ = ["LoRALinear", "add_lora", "is_adapter", "lora_spec", "merged", "store_frozen"]
 
 # adapter parameters: LoRALinear's own, and the experts' (``experts.lora_*``)
 _ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
@@ -102,6 +102,15 @@ def add_lora(model: nn.Module, lora) -> list[str]:
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     return adapted
+
+
+def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep every frozen parameter in ``dtype`` (bf16 under bf16 mixed precision: it has no
+    master copy to keep, no gradient and no optimizer state, and the compute casts it to bf16
+    anyway, so the step is the same bit for bit); in place, before the model is sharded."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(dtype)
 
 
 def merged(module: nn.Module, attr: str, full: Callable[[torch.Tensor], torch.Tensor]):

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from qwen35_trainer.model import build
+from qwen35_trainer.model.lora import store_frozen
 from qwen35_trainer.model.objective import TrainingObjective
 from qwen35_trainer.parallel import Layout, ParallelDims, parallelize
 
@@ -26,6 +27,8 @@ def build_training_model(
     :mod:`qwen35_trainer.parallel.megatron`). Every rank of the default process group calls
     it."""
     model = build.build_meta_model(recipe.model, packing=recipe.data.packing)
+    if recipe.model.lora is not None and recipe.train.dtype == "bfloat16":
+        store_frozen(model, torch.bfloat16)  # the frozen base in bf16: no master copy needed
     objective = TrainingObjective(model, loss_chunk_size=recipe.train.loss_chunk_size)
     fill = {
         "seed": recipe.train.seed,

@@ -2,10 +2,12 @@
 
 Exact (counted from this rank's DTensor shards, equal to a real run's tensors):
 
-- ``parameters``: every local shard in its storage dtype (fp32 master weights);
-- ``gradients``: the same shards (FSDP2 keeps sharded fp32 gradients);
-- ``optimizer``: AdamW / TE fused Adam: two fp32 moments per local element, plus one 4-byte
-  step counter per parameter tensor.
+- ``parameters``: every local shard in its storage dtype (fp32 master weights; a LoRA run's
+  frozen base in bf16 under bf16 compute, :func:`qwen35_trainer.model.lora.store_frozen`);
+- ``gradients``: the shards that train (FSDP2 keeps sharded fp32 gradients; with LoRA the
+  adapters only);
+- ``optimizer``: AdamW / TE fused Adam: two fp32 moments per local element that trains, plus
+  one 4-byte step counter per trained parameter tensor.
 
 Modelled (the formulas are stated where they are computed; ``b`` = compute bytes, 2 for bf16;
 ``S`` = tokens on this rank = ``pack_length / cp``; the tests compare the saved activations
@@ -26,8 +28,8 @@ with a real run's saved tensors):
 - ``loss``: the chunked loss's fp32 gradients kept from the forward (``grad_hidden S·H·4`` and
   ``grad_weight V·H·4``) plus one chunk's working set (chunked-loss's 256 MiB budget);
 - ``fsdp_buffers``: the largest unit unsharded in ``b`` twice (the running and the prefetched
-  unit) plus its unsharded fp32 gradient; the root unit (embeddings, ``lm_head``, merger)
-  unsharded for the whole step with its fp32 gradients;
+  unit) plus its unsharded fp32 gradient (of what trains); the root unit (embeddings,
+  ``lm_head``, merger) unsharded for the whole step with its fp32 gradients (of what trains);
 - ``cp_buffers``: full attention's K/V of the whole row gathered over CP (``L_full · T ·
   2·kv·hd · b`` for one layer at a time) and the Gated DeltaNet's passed state (fp32);
 - ``vision``: the merged image features of the whole row gathered over CP (``T_img · H · b``);
@@ -91,17 +93,24 @@ def _local_numel(param: torch.Tensor) -> int:
     return math.prod(len(r) for r in local_index(param))
 
 
-def parameter_bytes(model: nn.Module) -> int:
-    """This rank's parameter shards, in bytes of their storage dtype."""
-    return sum(_local_numel(p) * p.dtype.itemsize for _, _, _, p in named_parameters(model))
+def parameter_bytes(model: nn.Module, *, trained: bool = False) -> int:
+    """This rank's parameter shards (``trained``: those that train), in bytes of their storage
+    dtype."""
+    return sum(
+        _local_numel(p) * p.dtype.itemsize
+        for _, _, _, p in named_parameters(model)
+        if p.requires_grad or not trained
+    )
 
 
-def _unit_bytes(unit: nn.Module, ep: int, b: int) -> int:
-    """A unit's parameters unsharded by FSDP (experts stay split over EP), in ``b`` bytes."""
-    total = 0
-    for name, p in unit.named_parameters():
-        total += math.prod(p.shape) // (ep if "experts." in name else 1) * b
-    return total
+def _unit_numel(unit: nn.Module, ep: int, *, trained: bool = False) -> int:
+    """A unit's elements unsharded by FSDP (experts stay split over EP; ``trained``: only what
+    trains)."""
+    return sum(
+        math.prod(p.shape) // (ep if "experts." in name else 1)
+        for name, p in unit.named_parameters()
+        if p.requires_grad or not trained
+    )
 
 
 def _block_working_set(text, s: int, ep_rows: float, b: int, full: bool) -> int:
@@ -152,7 +161,11 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
     text, vision = model.config.text_config, model.config.vision_config
     b, s = shape.compute_bytes, shape.tokens
     params = parameter_bytes(model)
-    tensors = sum(1 for _ in named_parameters(model))
+    trained = parameter_bytes(model, trained=True)
+    fp32_trained = sum(
+        _local_numel(p) * 4 for _, _, _, p in named_parameters(model) if p.requires_grad
+    )
+    tensors = sum(1 for _, _, _, p in named_parameters(model) if p.requires_grad)
     h = text.hidden_size
     full_layers = sum(t == "full_attention" for t in text.layer_types)
     vh = vision.hidden_size
@@ -167,10 +180,17 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
     saved += _mtp_saved(text, shape, checkpointing=checkpointing)
     recompute = max(_block_working_set(text, s, ROUTING_SKEW, b, full) for full in (False, True))
     loss = s * h * 4 + text.vocab_size * h * 4 + LOSS_CHUNK_BYTES
-    unit = max((_unit_bytes(u, dims.ep, b) for u in units), default=0)
+    unit = max(
+        (
+            2 * _unit_numel(u, dims.ep) * b + _unit_numel(u, dims.ep, trained=True) * 4
+            for u in units
+        ),
+        default=0,
+    )
     covered = {id(p) for u in units for p in u.parameters()}
-    root = sum(math.prod(p.shape) for p in model.parameters() if id(p) not in covered)
-    fsdp = 2 * unit + unit // b * 4 + root * (b + 4)
+    outside = [p for p in model.parameters() if id(p) not in covered]
+    root = sum(math.prod(p.shape) * (b + 4 * p.requires_grad) for p in outside)
+    fsdp = unit + root
     cp = 0
     if dims.cp > 1:
         kv = 2 * text.num_key_value_heads * text.head_dim * b
@@ -178,5 +198,5 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
         cp = (shape.row_tokens * kv if full_layers else 0) + 2 * state * 4
     gathered = shape.image_tokens * h * b if dims.cp > 1 else 0
     return Memory(
-        params, params, 2 * params + 4 * tensors, saved, recompute, loss, fsdp, cp, gathered
+        params, trained, 2 * fp32_trained + 4 * tensors, saved, recompute, loss, fsdp, cp, gathered
     )
