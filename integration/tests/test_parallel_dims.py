@@ -28,7 +28,7 @@ def check_layout(spec: ParallelRecipe, world: int, *, packing: bool):
     recipe = SimpleNamespace(
         parallel=spec,
         data=SimpleNamespace(packing=packing, pack_length=None),
-        model=SimpleNamespace(mtp_depth=0),
+        model=SimpleNamespace(mtp_depth=0, lora=None),
     )
     return validate_layout(recipe, world)
 
