@@ -269,6 +269,12 @@ LAYOUTS = {
     # LoRA: the adapters sharded with their experts (EP 2); under DP 2 x CP 2 x EP 2 with
     # checkpointing and the (frozen) MTP head, whose loss trains the decoder's adapters
     "lora_ep2": (("parallel.ep=2", *LORA), "lora", (2,)),
+    # TP 2 + SP: every adapter split with its projection (tp_lora), the MTP head frozen
+    "lora_tp2": (
+        ("parallel.dp=1", "parallel.tp=2", "data.samples_per_rank=4", *MTP_ON, *LORA),
+        "lora_mtp",
+        (2,),
+    ),
     "lora_dp2_cp2_ep2": (
         (
             "parallel.dp=2",

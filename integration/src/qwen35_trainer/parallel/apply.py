@@ -88,6 +88,7 @@ from qwen35_trainer.parallel.sequence_parallel import (
     sequence_multiple,
 )
 from qwen35_trainer.parallel.tp_gdn import split_gated_deltanet
+from qwen35_trainer.parallel.tp_lora import split_adapters
 from qwen35_trainer.parallel.tp_plan import tp_linears, tp_plan
 
 __all__ = [
@@ -165,12 +166,10 @@ def lora_refusals(recipe: Any) -> list[str]:
     if recipe.model.lora is None:
         return []
     p, reasons = recipe.parallel, []
-    if p.tp > 1:
+    if p.async_tp:
         reasons.append(
-            "model.lora with parallel.tp > 1 is not built yet: the adapters of a TP-split "
-            "projection must be split with its style (A whole and B by rows for a column split, "
-            "A by columns and B whole for a row split, the Gated DeltaNet's head order); use "
-            "parallel.tp: 1 (EP, CP and FSDP shard LoRA runs)"
+            "model.lora with parallel.async_tp is not built yet: async TP swaps the projections "
+            "for its fusable linear, which has no adapter; set parallel.async_tp: false"
         )
     if p.fsdp_backend == "megatron":
         reasons.append(
@@ -310,6 +309,9 @@ def apply_parallelism(
     sp = sequence_parallel and dims.tp > 1
     if dims.tp > 1:
         check_tp_heads(model.config.text_config, dims.tp)
+        # torch's SequenceParallel style re-creates the q/k norms' parameters trainable: a
+        # frozen (LoRA) weight must stay frozen
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         plan = tp_plan(model, sequence_parallel=sp)
         if async_tp:  # the projections in the shape Inductor's micro-pipeline TP pass fuses
             swap_tp_linears(model, tp_linears(plan))
@@ -317,6 +319,10 @@ def apply_parallelism(
         apply_tensor_parallel(model, meshes.tp, plan)
         for layer in gated_deltanet_layers(model):
             split_gated_deltanet(layer, meshes.tp, sequence_parallel=sp)
+        split_adapters(model, meshes.tp)  # LoRA: each adapter split with its projection
+        for name, param in model.named_parameters():
+            if name in frozen:
+                param.requires_grad_(False)
     if dims.ep > 1:
         apply_expert_parallel(model, meshes.ep)
     if sp:  # found before FSDP puts every parameter on a mesh; read back when summed

@@ -196,14 +196,15 @@ def _on_tp_mesh(param: torch.Tensor) -> bool:
 
 
 def region_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """``(module, name)`` of each parameter inside an SP region that the TP plan leaves whole:
-    their gradients are summed over TP (module docstring). Called after TP and EP, before FSDP
+    """``(module, name)`` of each trained parameter inside an SP region that the TP plan leaves
+    whole: their gradients are summed over TP (module docstring). Called after TP and EP, before FSDP
     (whose sharding puts every parameter on a mesh and replaces it on the same module)."""
     found, seen = [], set()
     for _, _, inside in sequence_parallel_regions(model):
         for module in inside.modules():
             for name, param in module.named_parameters(recurse=False):
-                if id(param) not in seen and not _on_tp_mesh(param):
+                trains = param.requires_grad  # a frozen (LoRA) weight has no gradient to sum
+                if trains and id(param) not in seen and not _on_tp_mesh(param):
                     seen.add(id(param))
                     found.append((module, name))
     return found

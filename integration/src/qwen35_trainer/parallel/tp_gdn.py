@@ -28,7 +28,8 @@ and exports do not depend on ``tp``):
   instead of summed whole (:mod:`qwen35_trainer.parallel.sequence_parallel`).
 
 The layer then runs cp-varlen-attn's packed forward (duck-typed on the layer) on a view that
-holds this rank's local weights and head counts, so TP needs packed rows.
+holds this rank's local weights and head counts, so TP needs packed rows. A projection with a
+LoRA adapter computes it on the same local tensors (:mod:`qwen35_trainer.parallel.tp_lora`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import types
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -50,6 +50,7 @@ from qwen35_trainer.parallel.sequence_parallel import (
     reduce_scatter_to_sequence,
 )
 from qwen35_trainer.parallel.tp_comm import sum_grad_over_tp, sum_over_tp
+from qwen35_trainer.parallel.tp_lora import local_adapter
 
 __all__ = ["GDN_TP_PLACEMENTS", "qkv_rows", "split_gated_deltanet"]
 
@@ -133,11 +134,12 @@ def _local_view(layer: nn.Module, group: Any, rows: torch.Tensor, tp: int, sp: b
     conv_W = sum_grad_over_tp(layer.conv1d.weight.to_local(), group)[rows]
     norm_W = sum_grad_over_tp(layer.norm.weight.to_local(), group)
 
-    def linear(module):
-        return lambda x: F.linear(x, module.weight.to_local())
+    def linear(module):  # with its LoRA adapter, where it has one (tp_lora)
+        return local_adapter(module, module.weight.to_local(), group)
 
+    out_proj = linear(layer.out_proj)
     return types.SimpleNamespace(
-        in_proj_qkv=lambda x: F.linear(x, qkv_W),
+        in_proj_qkv=local_adapter(layer.in_proj_qkv, qkv_W, group, rows),
         in_proj_z=linear(layer.in_proj_z),
         in_proj_b=linear(layer.in_proj_b),
         in_proj_a=linear(layer.in_proj_a),
@@ -145,9 +147,7 @@ def _local_view(layer: nn.Module, group: Any, rows: torch.Tensor, tp: int, sp: b
         A_log=layer.A_log.to_local(),
         dt_bias=layer.dt_bias.to_local(),
         norm=lambda core, z: functional_call(layer.norm, {"weight": norm_W}, (core, z)),
-        out_proj=lambda x: (reduce_scatter_to_sequence if sp else sum_over_tp)(
-            F.linear(x, layer.out_proj.weight.to_local()), group
-        ),
+        out_proj=lambda x: (reduce_scatter_to_sequence if sp else sum_over_tp)(out_proj(x), group),
         key_dim=layer.key_dim // tp,
         value_dim=layer.value_dim // tp,
         num_k_heads=layer.num_k_heads // tp,
