@@ -1,11 +1,13 @@
 """The assembled trainer on GPUs (``nox -s gpu`` on a lent device; skipped without CUDA): the
-kernel report names the fast kernels the ``gpu`` extra brings, async TP (2 GPUs: TP 2 with
+kernel report names the fast kernels the ``gpu`` extra brings, LoRA trains on CUDA with the
+experts' adapters on the torch grouped path, async TP (2 GPUs: TP 2 with
 sequence parallelism, compiled blocks) fuses its collectives into the matmuls and trains the same
 losses as async TP off, and megatron-fsdp (2 GPUs: real CUDA streams and NCCL, which the CPU
 parity tests stand in for) trains the same step as FSDP2."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -33,6 +35,24 @@ def test_the_kernel_report_on_cuda_names_the_fast_kernels():
         "optimizer": "te_fused_adam",
     }, chosen.line()
     assert chosen.fallbacks == ()
+
+
+def test_lora_trains_on_cuda_with_the_experts_on_the_torch_grouped_path():
+    """LoRA in bf16 on one GPU: the experts' adapters run in the torch grouped path (the report
+    says so, no fallback warning), only adapters move, and the first loss equals the base's."""
+    lora = ("model.lora.rank=8", "model.lora.expert_rank=16", "train.dtype=bfloat16")
+    recipe = tiny("train.optimizer=auto", "train.steps=2", *lora)
+    chosen = resolve_kernels(recipe, "cuda")
+    assert chosen.record()["experts"] == "torch" and chosen.fallbacks == (), chosen.line()
+    from qwen35_trainer import train
+
+    base = train(tiny("train.optimizer=auto", "train.steps=1", "train.dtype=bfloat16"))
+    adapted = train(recipe)
+    assert adapted.logs[0].loss == base.logs[0].loss
+    assert math.isfinite(adapted.logs[-1].loss)
+    assert all(
+        p.requires_grad == (".lora" in n) for n, p in adapted.objective.model.named_parameters()
+    )
 
 
 def _two_rank_run(out, *overrides: str) -> tuple[list[float], str]:

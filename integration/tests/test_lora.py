@@ -205,3 +205,14 @@ def test_a_target_that_matches_nothing_is_refused():
     build_model(tiny("model.lora={targets: [in_proj_qkv, experts]}", gdn_only).model)
     with pytest.raises(ValueError, match=r"model.lora.targets \['q_proj'\] match no projection"):
         build_model(tiny("model.lora={targets: [q_proj, experts]}", gdn_only).model)
+
+
+def test_expert_lora_with_transformer_engine_is_refused_with_the_reason():
+    from helpers import tiny
+
+    from qwen35_trainer.model.kernels import resolve_kernels
+
+    with pytest.raises(ValueError, match=r"model.expert_backend=te: expert LoRA .* torch grouped"):
+        resolve_kernels(tiny("model.lora={rank: 4}", "model.expert_backend=te"), "cuda")
+    with_auto = resolve_kernels(tiny("model.lora={rank: 4}"), "cpu")
+    assert with_auto.record()["experts"] == "torch"

@@ -83,11 +83,13 @@ def resolve_kernels(recipe: Any, device_type: str) -> Kernels:
     model, optimizer = recipe.model, recipe.train.optimizer
     cuda = device_type == "cuda"
     te = cuda and _te_available()
+    # expert LoRA runs inside the torch grouped path (TE's fused experts have no place for it)
+    expert_lora = model.lora is not None and "experts" in model.lora.targets
     chosen, errors = {}, []
     for kind, resolve, asked in (
         ("attention", lambda b: resolve_attention_backend(b, device_type), model.attention_backend),
         ("gated delta rule", lambda b: resolve_gdn_backend(b, device_type), model.gdn_backend),
-        ("experts", lambda b: _pick(b, ("auto", "torch", "te"), "te", te), model.expert_backend),
+        ("experts", lambda b: _experts(b, te, expert_lora), model.expert_backend),
         (
             "optimizer",
             lambda b: _pick(b, ("auto", "adamw", "adam", "te_fused_adam"), "te_fused_adam", te),
@@ -105,6 +107,7 @@ def resolve_kernels(recipe: Any, device_type: str) -> Kernels:
         f"{_NAMES[kind][2]} (pip install 'qwen35-trainer[gpu]') for the fast kernel"
         for kind, k in chosen.items()
         if cuda and _asked(recipe, kind) == "auto" and k in ("torch", "adamw")
+        and not (kind == "experts" and expert_lora)  # torch is the only path there
     )
     return Kernels(chosen, fallbacks)
 
@@ -112,6 +115,15 @@ def resolve_kernels(recipe: Any, device_type: str) -> Kernels:
 def _asked(recipe: Any, kind: str) -> str:
     section, key = _NAMES[kind][0].split(".")
     return getattr(getattr(recipe, section), key)
+
+
+def _experts(asked: str, te: bool, lora: bool) -> str:
+    if lora and asked == "te":
+        raise ValueError(
+            "expert LoRA (model.lora.targets has experts) runs on the torch grouped path: "
+            "TransformerEngine's fused experts have no place for the adapters"
+        )
+    return _pick(asked, ("auto", "torch", "te"), "te", te and not lora)
 
 
 def _pick(asked: str, names: tuple[str, ...], fast: str, available: bool) -> str:
