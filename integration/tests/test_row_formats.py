@@ -303,6 +303,15 @@ def test_alpaca_rows_equal_messages(demo, encoder):
             },
             r"unreadable image .*\(embedded, 9 bytes\)",
         ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "video", "path": FRAMES, "fps": "two"}]},
+                    {"role": "assistant", "content": "left"},
+                ]
+            },
+            r"\(video\) 'fps' must be a number > 0, got 'two'",
+        ),
     ],
     ids=[
         "two_markers_one_image",
@@ -313,6 +322,7 @@ def test_alpaca_rows_equal_messages(demo, encoder):
         "sharegpt_role",
         "two_forms",
         "bad_bytes",
+        "bad_fps",
     ],
 )
 def test_bad_rows_name_the_row_and_both_counts(demo, encoder, row, message):

@@ -213,7 +213,7 @@ class _Media:
         self.images: list[Any] = []
         self.videos: list[Video] = []
 
-    def add(self, kind: str, source: Any, fps: Any, where: str, *, marker: bool = False) -> dict:
+    def add(self, kind: str, source: Any, fps: Any, *, marker: bool = False) -> dict:
         if source is None:  # a placeholder: the list's next entry
             self.markers[kind] += marker
             at = self.taken[kind]
@@ -247,9 +247,7 @@ def _turn(turn: Any, where: str, media: _Media) -> dict:
     if content is None and turn.get("tool_calls"):
         out["content"] = ""
     elif isinstance(content, str):
-        out["content"] = (
-            _split_markers(content, where, media) if _MARKER.search(content) else content
-        )
+        out["content"] = _split_markers(content, media) if _MARKER.search(content) else content
     elif isinstance(content, list):
         out["content"] = [
             new
@@ -261,11 +259,11 @@ def _turn(turn: Any, where: str, media: _Media) -> dict:
     return out
 
 
-def _split_markers(text: str, where: str, media: _Media) -> list[dict]:
+def _split_markers(text: str, media: _Media) -> list[dict]:
     parts = []
     for piece in _MARKER.split(text):
         if piece in MARKERS:
-            parts.append(media.add(MARKERS[piece], None, None, where, marker=True))
+            parts.append(media.add(MARKERS[piece], None, None, marker=True))
         elif piece:
             parts.append({"type": "text", "text": piece})
     return parts
@@ -280,7 +278,7 @@ def _part(part: Any, where: str, media: _Media) -> list[dict]:
         if not isinstance(text, str):
             raise DataError(f"{where} (text) needs 'text' (a string), got {text!r:.80}")
         return (
-            _split_markers(text, where, media)
+            _split_markers(text, media)
             if _MARKER.search(text)
             else [{"type": "text", "text": text}]
         )
@@ -299,7 +297,10 @@ def _part(part: Any, where: str, media: _Media) -> list[dict]:
             f"{where} ({kind}) says index {index}, but it is {kind} placeholder "
             f"{media.taken[kind]} in order of appearance"
         )
-    return [media.add(kind, sources[0] if sources else None, part.get("fps"), where)]
+    fps = part.get("fps")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float) or fps <= 0):
+        raise DataError(f"{where} ({kind}) 'fps' must be a number > 0, got {fps!r:.40}")
+    return [media.add(kind, sources[0] if sources else None, fps)]
 
 
 def _check_extras(turn: dict, where: str) -> None:

@@ -106,7 +106,9 @@ def resolve_kernels(recipe: Any, device_type: str) -> Kernels:
         f"{_NAMES[kind][0]}=auto on CUDA runs the {_NAMES[kind][1][k]} (slow): install "
         f"{_NAMES[kind][2]} (pip install 'qwen35-trainer[gpu]') for the fast kernel"
         for kind, k in chosen.items()
-        if cuda and _asked(recipe, kind) == "auto" and k in ("torch", "adamw")
+        if cuda
+        and _asked(recipe, kind) == "auto"
+        and k in ("torch", "adamw")
         and not (kind == "experts" and expert_lora)  # torch is the only path there
     )
     return Kernels(chosen, fallbacks)
