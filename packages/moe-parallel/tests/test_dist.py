@@ -7,6 +7,7 @@ from dist_checks import (
     check_ac_under_ep_wraps_vision,
     check_compiled_ep_parity,
     check_ep_detached_router_is_caught,
+    check_ep_fp8_lora_parity,
     check_ep_lora_parity,
     check_ep_parity,
     check_ep_parity_te_stand_in,
@@ -34,6 +35,7 @@ CHECKS = [
     check_zero_token_optimizer_step,
     check_ac_under_ep_wraps_vision,
     check_ep_lora_parity,
+    check_ep_fp8_lora_parity,
 ]
 
 

@@ -11,13 +11,25 @@ gradients are local, like any data-parallel replica's.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from moe_parallel.moe import Experts
 
 __all__ = ["apply_expert_parallel"]
+
+
+def _scatter(full: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
+    """``full`` as a DTensor ``Shard(0)`` on ``ep_mesh``, scattered from rank 0; a float8
+    tensor travels as its bytes (gloo has no float8 type)."""
+    if full.dtype.itemsize != 1 or not full.dtype.is_floating_point:
+        return distribute_tensor(full, ep_mesh, [Shard(0)])
+    as_bytes = distribute_tensor(full.view(torch.uint8), ep_mesh, [Shard(0)])
+    local = as_bytes.to_local().view(full.dtype)
+    return DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape,
+                              stride=full.stride())  # fmt: skip
 
 
 def apply_expert_parallel(
@@ -31,8 +43,9 @@ def apply_expert_parallel(
     experts once and expert gradients are exact (without it they come out tp times too large).
     Every rank of ``tp_mesh`` must belong to ``ep_mesh``.
 
-    Rank 0's full expert weights are scattered (``distribute_tensor``); rank r keeps experts
-    r*L .. r*L+L-1. Returns ``model``.
+    Rank 0's full expert weights are scattered (``distribute_tensor``; FP8 weights as their
+    bytes, which every backend can send); rank r keeps experts r*L .. r*L+L-1. Returns
+    ``model``.
 
     Raises:
         TypeError: ``ep_mesh`` (or ``tp_mesh``) is not a 1-D ``DeviceMesh``.
@@ -66,7 +79,7 @@ def apply_expert_parallel(
     for _, module in experts:
         # every parameter is stacked by expert: the weights and their adapters
         for pname, param in list(module.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            sharded = _scatter(param.data, ep_mesh)
             setattr(module, pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.ep_group = ep_mesh.get_group()
         if tp_mesh is not None and tp_mesh.size() > 1:

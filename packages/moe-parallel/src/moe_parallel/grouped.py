@@ -15,6 +15,12 @@ the same zero-gradient contract.
 With low-rank adapters (:class:`LoRAFactors`, :mod:`moe_parallel.lora`) each projection adds
 ``s · (drop(x) A_e^T) B_e^T`` to its rows: two more grouped GEMMs (or loops) through the rank,
 on the torch backend only (TransformerEngine's fused path has no place for the adapters).
+Adapters kept in another dtype than the rows (fp32 masters under bf16 compute) are cast to the
+rows' dtype here, as a mixed-precision all-gather would have.
+
+Frozen expert weights held in block-scaled FP8 (:class:`~moe_parallel.fp8.FP8Weight`) are
+dequantized per projection and call, in the rows' dtype, by :func:`moe_parallel.fp8.fp8_linear`
+(the backward dequantizes again; the FP8 bytes are what is saved), on the torch backend.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
 from moe_parallel import te_backend
+from moe_parallel.fp8 import FP8Weight, fp8_linear
 
 __all__ = ["EXPERT_BACKENDS", "LoRAFactors", "expert_swiglu", "grouped_mm_works", "loop_linear"]
 
@@ -116,19 +123,21 @@ class LoRAFactors(NamedTuple):
 
 
 def _adapted(linear, x_MI, w_EOI, a_ERI, b_EOR, lora: LoRAFactors | None):
-    """``linear(x, w)`` plus, with ``lora``, ``s · linear(linear(drop(x), A), B)``."""
-    y_MO = linear(x_MI, w_EOI)
+    """``linear(x, w)`` (``w`` dequantized for the call when it is FP8) plus, with ``lora``,
+    ``s · linear(linear(drop(x), A), B)`` with the adapters in the rows' dtype."""
+    y_MO = fp8_linear(x_MI, w_EOI, linear) if isinstance(w_EOI, FP8Weight) else linear(x_MI, w_EOI)
     if lora is None:
         return y_MO
     x_in = F.dropout(x_MI, lora.dropout) if lora.dropout else x_MI
+    a_ERI, b_EOR = a_ERI.to(x_MI.dtype), b_EOR.to(x_MI.dtype)
     return y_MO + lora.scale * linear(linear(x_in, a_ERI), b_EOR)
 
 
 def expert_swiglu(
     x_MH: torch.Tensor,
     counts_E: torch.Tensor,
-    gate_up_E2IH: torch.Tensor,
-    down_EHI: torch.Tensor,
+    gate_up_E2IH: torch.Tensor | FP8Weight,
+    down_EHI: torch.Tensor | FP8Weight,
     *,
     backend: str = "auto",
     lora: LoRAFactors | None = None,
@@ -138,12 +147,14 @@ def expert_swiglu(
     Args:
         x_MH: [M, H] rows sorted by expert.
         counts_E: [E] int, rows per expert (sums to M).
-        gate_up_E2IH: [E, 2I, H], gate rows first then up rows (transformers' layout).
-        down_EHI: [E, H, I].
+        gate_up_E2IH: [E, 2I, H], gate rows first then up rows (transformers' layout); or
+            frozen in FP8 (:class:`~moe_parallel.fp8.FP8Weight`, in 2 parts: gate, up).
+        down_EHI: [E, H, I] (or FP8, one part).
         backend: ``"torch"`` (grouped GEMM or exact loop, any device), ``"te"``
             (TransformerEngine's ``GroupedLinear``, CUDA; see :mod:`moe_parallel.te_backend`) or
             ``"auto"``: ``"te"`` for CUDA rows when TransformerEngine imports, else ``"torch"``
-            (always ``"torch"`` with ``lora``). A call with no rows always takes the exact loop.
+            (always ``"torch"`` with ``lora`` or FP8 weights). A call with no rows always takes
+            the exact loop.
         lora: the experts' low-rank adapters (:class:`LoRAFactors`), or ``None``.
 
     Returns:
@@ -161,9 +172,16 @@ def expert_swiglu(
             "expert LoRA runs on the torch backend: TransformerEngine's grouped "
             "path has no place for the adapters (expert_backend='torch' or 'auto')"
         )
+    fp8 = isinstance(gate_up_E2IH, FP8Weight)
+    if backend == "te" and fp8:
+        raise ValueError(
+            "FP8 expert weights run on the torch backend (dequantized per call): "
+            "TransformerEngine's grouped path takes bf16/fp32 weights (expert_backend='torch' "
+            "or 'auto')"
+        )
     if backend == "auto":
         on_te_device = x_MH.device.type in te_backend.TE_DEVICE_TYPES
-        usable = on_te_device and te_backend.te_available() and lora is None
+        usable = on_te_device and te_backend.te_available() and lora is None and not fp8
         backend = "te" if usable else "torch"
     if backend == "te" and x_MH.shape[0] > 0:
         return te_backend.te_expert_swiglu(x_MH, counts_E, gate_up_E2IH, down_EHI)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moe_parallel.fp8 import BlockFormat, FP8Weight
 from moe_parallel.grouped import EXPERT_BACKENDS, LoRAFactors, expert_swiglu
 
 __all__ = ["MoE", "MoEStats", "load_balancing_loss"]
@@ -108,7 +109,9 @@ class Experts(nn.Module):
     over TP ranks before the dispatch. ``backend`` is the :func:`moe_parallel.expert_swiglu`
     backend (``"auto"``, ``"torch"`` or ``"te"``). ``lora_spec``: set with the experts'
     low-rank adapters (:func:`moe_parallel.add_expert_lora`), applied inside the grouped
-    computation.
+    computation. ``fp8_block``: set when the (frozen) weights are held in block-scaled FP8
+    (:func:`moe_parallel.quantize_experts`: ``gate_up_proj`` / ``down_proj`` float8_e4m3fn with
+    ``gate_up_proj_scale_inv`` / ``down_proj_scale_inv``), dequantized per call.
     """
 
     def __init__(
@@ -124,14 +127,24 @@ class Experts(nn.Module):
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.lora_spec: Any = None
+        self.fp8_block: tuple[int, int] | None = None
         self.ep_group: Any = None
         self.tp_group: Any = None
 
-    def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up, down = self.gate_up_proj, self.down_proj
-        if hasattr(gate_up, "to_local"):
-            return gate_up.to_local(), down.to_local()
-        return gate_up, down
+    def _local_weights(self) -> tuple[Any, Any]:
+        """This rank's experts' ``(gate_up, down)``: tensors, or :class:`FP8Weight` when the
+        weights are held in FP8."""
+
+        def local(name: str) -> torch.Tensor:
+            param = getattr(self, name)
+            return param.to_local() if hasattr(param, "to_local") else param
+
+        if self.fp8_block is None:
+            return local("gate_up_proj"), local("down_proj")
+        return tuple(
+            FP8Weight(local(name), local(f"{name}_scale_inv"), BlockFormat(self.fp8_block, parts))
+            for name, parts in (("gate_up_proj", 2), ("down_proj", 1))
+        )
 
     def _lora_factors(self) -> LoRAFactors | None:
         """This rank's adapters (dropout only in training), or ``None`` without them."""
