@@ -35,14 +35,16 @@ H, INTER, E = 16, 12, 4
 def _weights(*shape, seed=0):
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
     w *= torch.rand(*shape[:-2], 1, 1, generator=torch.Generator().manual_seed(seed + 1)) + 0.1
-    w[..., :BLOCK[0], :BLOCK[1]] = 0.0  # one all-zero block per matrix
+    w[..., : BLOCK[0], : BLOCK[1]] = 0.0  # one all-zero block per matrix
     return w
 
 
 def _blocks(rows, cols, block):
-    for i in range(-(-rows // block[0])):
-        for j in range(-(-cols // block[1])):
-            yield i, j, slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+    """``(i, j, row slice, column slice)`` of every block."""
+    bo, bi = block
+    for i in range(-(-rows // bo)):
+        for j in range(-(-cols // bi)):
+            yield i, j, slice(i * bo, (i + 1) * bo), slice(j * bi, (j + 1) * bi)
 
 
 def _reference_quantize(w2d, block, scale_dtype):
@@ -138,8 +140,8 @@ def _experts(seed):
     """E experts' fused gate/up [E, 2I, H] and down [E, H, I] in FP8, each with its own scales
     (the experts' magnitudes differ by up to 10x)."""
     gu, down = _weights(E, 2 * INTER, H, seed=seed), _weights(E, H, INTER, seed=seed + 2)
-    gu_form, down_form = BlockFormat(BLOCK, 2), BlockFormat(BLOCK)
-    return FP8Weight(*quantize(gu, gu_form), gu_form), FP8Weight(*quantize(down, down_form), down_form)
+    forms = BlockFormat(BLOCK, 2), BlockFormat(BLOCK)
+    return tuple(FP8Weight(*quantize(w, form), form) for w, form in zip((gu, down), forms))
 
 
 def _lora(dtype, seed=9, rank=4):

@@ -23,7 +23,10 @@ from moe_parallel.fp8 import BlockFormat, quantize
 __all__ = ["EXPERT_FP8", "quantize_experts"]
 
 # weight → (its scale, the row parts blocked separately)
-EXPERT_FP8 = {"gate_up_proj": ("gate_up_proj_scale_inv", 2), "down_proj": ("down_proj_scale_inv", 1)}
+EXPERT_FP8 = {
+    "gate_up_proj": ("gate_up_proj_scale_inv", 2),
+    "down_proj": ("down_proj_scale_inv", 1),
+}
 
 
 def quantize_experts(model: nn.Module, block: tuple[int, int]) -> list[str]:
