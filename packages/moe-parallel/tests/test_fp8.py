@@ -141,7 +141,9 @@ def _experts(seed):
     (the experts' magnitudes differ by up to 10x)."""
     gu, down = _weights(E, 2 * INTER, H, seed=seed), _weights(E, H, INTER, seed=seed + 2)
     forms = BlockFormat(BLOCK, 2), BlockFormat(BLOCK)
-    return tuple(FP8Weight(*quantize(w, form), form) for w, form in zip((gu, down), forms))
+    return tuple(
+        FP8Weight(*quantize(w, form), form) for w, form in zip((gu, down), forms, strict=True)
+    )
 
 
 def _lora(dtype, seed=9, rank=4):
