@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from qwen35_trainer.model.stored import Stored
 
 __all__ = ["CheckpointFiles", "StateDictAdapter", "expert_layout", "on_disk"]
 
 _STACKED = re.compile(r"^(?P<base>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
-
-RowReader = Callable[[int, int], torch.Tensor]
 
 # The one runtime prefix whose experts are written per expert (the public MTP layout).
 _PER_EXPERT_ON_DISK = "mtp."
@@ -96,13 +95,16 @@ class CheckpointFiles:
         self._read: dict[str, int] = {}
         self.where: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
         for name in files:
             if not (self.path / name).is_file():
                 raise ValueError(f"model.weights: {index} names {name}, which is not there")
             handle = self._open(name)
             for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 self.where[key] = name
-                self._shapes[key] = tuple(handle.get_slice(key).get_shape())
+                tensor = handle.get_slice(key)
+                self._shapes[key] = tuple(tensor.get_shape())
+                self._dtypes[key] = tensor.get_dtype()
             self._handles.pop(name)
 
     def _open(self, name: str):
@@ -116,6 +118,10 @@ class CheckpointFiles:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._shapes[key]
 
+    def dtype(self, key: str) -> str:
+        """Tensor ``key``'s safetensors dtype name (``BF16``, ``F8_E4M3``, ``I64``, ...)."""
+        return self._dtypes[key]
+
     def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo:hi`` of tensor ``key`` (dim 0), as stored: a view of the file's mapping,
         which stays valid (mapped) while the view lives, even after the file is reopened."""
@@ -128,37 +134,48 @@ class CheckpointFiles:
 
 
 class StateDictAdapter:
-    """Runtime name → a reader of its rows from ``files``, checked against the runtime shapes.
-    ``skipped``: prefixes of on-disk tensors the model has no place for, left unread (and
-    reported) instead of refused."""
+    """Runtime name → its tensors on disk (:class:`~qwen35_trainer.model.stored.Stored`),
+    checked against the runtime shapes and for their dtypes; ``block``: the FP8 checkpoint's
+    ``weight_block_size`` (``None``: not an FP8 checkpoint). ``skipped``: prefixes of on-disk
+    tensors the model has no place for, left unread (and reported) instead of refused."""
 
-    def __init__(self, files: CheckpointFiles, *, skipped: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        files: CheckpointFiles,
+        *,
+        skipped: tuple[str, ...] = (),
+        block: tuple[int, int] | None = None,
+    ) -> None:
         self.files = files
         self.skipped = skipped
+        self.block = block
         self.used: set[str] = set()
 
-    def reader(self, name: str, shape: tuple[int, ...], problems: list[str]) -> RowReader | None:
-        """How to read rows of runtime tensor ``name`` (full shape ``shape``), or ``None`` with
-        the reason appended to ``problems``."""
+    def stored(self, name: str, shape: tuple[int, ...], problems: list[str]) -> Stored | None:
+        """Runtime weight ``name``'s (full shape ``shape``) tensors on disk, or ``None`` with
+        the reasons appended to ``problems``."""
         files = self.files
         if name in files.where:
-            return self._direct(name, shape, problems)
+            self.used.add(name)
+            if files.shape(name) != tuple(shape):
+                problems.append(
+                    f"{name}: shape {list(files.shape(name))} on disk, {list(shape)} expected"
+                )
+                return None
+            return self._checked([[name]], False, problems)
         stacked = _STACKED.match(name)
         if stacked is None:
             problems.append(f"{name}: missing (runtime shape {list(shape)})")
             return None
         return self._per_expert(stacked["base"], stacked["proj"], name, shape, problems)
 
-    def _direct(self, name, shape, problems) -> RowReader | None:
-        self.used.add(name)
-        if self.files.shape(name) != tuple(shape):
-            problems.append(
-                f"{name}: shape {list(self.files.shape(name))} on disk, {list(shape)} expected"
-            )
-            return None
-        return lambda lo, hi: self.files.rows(name, lo, hi)
+    def _checked(self, keys, stacked: bool, problems: list[str]) -> Stored | None:
+        found = Stored.check(self.files, keys, stacked, self.block, problems)
+        if found is not None:
+            self.used.update(found.used())
+        return found
 
-    def _per_expert(self, base, proj, name, shape, problems) -> RowReader | None:
+    def _per_expert(self, base, proj, name, shape, problems) -> Stored | None:
         experts, rows, cols = shape
         parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
         keys = [[f"{base}.{e}.{part}.weight" for part in parts] for e in range(experts)]
@@ -178,15 +195,7 @@ class StateDictAdapter:
                 f"{wrong[0]} is {list(self.files.shape(wrong[0]))}"
             )
             return None
-
-        def read(lo: int, hi: int) -> torch.Tensor:
-            stacked = [
-                torch.cat([self.files.rows(k, 0, part_shape[0]) for k in keys[e]])
-                for e in range(lo, hi)
-            ]
-            return torch.stack(stacked) if stacked else torch.empty((0, rows, cols))
-
-        return read
+        return self._checked(keys, True, problems)
 
     def unused(self) -> tuple[list[str], list[str]]:
         """On-disk tensors no runtime tensor read: ``(skipped, unexpected)``."""

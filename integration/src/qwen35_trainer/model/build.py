@@ -30,6 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from moe_parallel import MoE, swap_moe_blocks
 from qwen35_trainer.model.config import build_config
+from qwen35_trainer.model.fp8 import hold_base_in_fp8
+from qwen35_trainer.model.fp8_load import fp8_role, quantized_reader
 from qwen35_trainer.model.init import init_rows, init_rule
 from qwen35_trainer.model.load import plan_hf_load
 from qwen35_trainer.model.lora import add_lora
@@ -42,6 +44,7 @@ from qwen35_trainer.recipe import ModelRecipe
 __all__ = [
     "build_meta_model",
     "build_model",
+    "checkpoint_block",
     "init_parameters",
     "init_value",
     "materialize",
@@ -62,7 +65,8 @@ def build_meta_model(model_recipe: ModelRecipe, *, packing: bool = False) -> nn.
     """The recipe's model (its multi-token-prediction head ``mtp`` added when
     ``model.mtp_layers`` asks for one, :mod:`qwen35_trainer.model.mtp`; MoE swapped; with
     ``model.lora`` its adapters added and the rest frozen, :mod:`qwen35_trainer.model.lora`;
-    with
+    with ``model.fp8_base`` its frozen projections and experts held in FP8,
+    :mod:`qwen35_trainer.model.fp8`; with
     ``packing`` adapted to packed rows, :func:`qwen35_trainer.model.packed.enable_packing`) on
     the meta device: shapes only, no storage."""
     from transformers import Qwen3_5MoeForConditionalGeneration
@@ -74,6 +78,8 @@ def build_meta_model(model_recipe: ModelRecipe, *, packing: bool = False) -> nn.
         swap_moe_blocks(model, expert_backend=model_recipe.expert_backend)
         if model_recipe.lora is not None:
             add_lora(model, model_recipe.lora)
+        if model_recipe.fp8_base:
+            hold_base_in_fp8(model, model_recipe.block)
     if packing:
         enable_packing(
             model,
@@ -89,7 +95,14 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 def init_value(seed: int, std: float, name: str, module: nn.Module, attr: str, param):
     """The name-seeded initial value (fp32) of the local shard of ``module``'s parameter
-    ``attr`` (full name ``name``)."""
+    ``attr`` (full name ``name``); of a weight held in FP8, the quantized initial value of the
+    weight (its bytes, or its scales: :mod:`qwen35_trainer.model.fp8_load`)."""
+    role = fp8_role(module, attr)
+    if role is not None:
+        weight = name.removesuffix(attr) + role.weight
+        rule = init_rule(module, role.weight, std)
+        values = lambda lo, hi: init_rows(rule, seed, weight, role.shape, lo, hi)  # noqa: E731
+        return read_local(quantized_reader(values, role), local_index(param))
     rule = init_rule(module, attr, std)
     padding = getattr(module, "padding_idx", None) if attr == "weight" else None
     return read_local(
@@ -115,12 +128,14 @@ def module_filler(
     seed: int = 0,
     weights: str | None = None,
     init_missing_mtp: bool = False,
+    block: tuple[int, int] | None = None,
 ) -> Callable[..., None]:
     """``fill(module, keep=None)``: fills the local shards of ``module``'s own (materialised)
     parameters as :func:`materialize` does — read from ``weights``, else (and for an MTP head
     the checkpoint lacks, ``init_missing_mtp``) name-seeded — and hands each parameter with its
     value before the cast to the parameter's dtype to ``keep(param, value)``. Before
     returning, ``model``'s buffers are materialised on ``device`` (:func:`materialize_buffers`)
+    (``block``: an FP8 checkpoint's ``weight_block_size``)
     and the whole checkpoint is planned and checked, every rank agreeing on ``device``;
     ``model``'s parameters may still be on the meta device. Modules without parameters of
     their own are left as they are."""
@@ -129,7 +144,7 @@ def module_filler(
     readers: dict = {}
     if weights is not None:
         readers, unfilled = plan_hf_load(
-            model, weights, torch.device(device), init_missing_mtp=init_missing_mtp
+            model, weights, torch.device(device), init_missing_mtp=init_missing_mtp, block=block
         )
         if unfilled:
             logger.warning(
@@ -185,6 +200,7 @@ def materialize(
     seed: int = 0,
     weights: str | None = None,
     init_missing_mtp: bool = False,
+    block: tuple[int, int] | None = None,
 ) -> nn.Module:
     """Allocate the meta ``model``'s local shards on ``device`` and fill them (module
     docstring; ``init_missing_mtp``: a checkpoint without ``mtp.*`` leaves the MTP head to the
@@ -192,7 +208,7 @@ def materialize(
     returns ``model``."""
     model.to_empty(device=device)
     fill = module_filler(
-        model, device, seed=seed, weights=weights, init_missing_mtp=init_missing_mtp
+        model, device, seed=seed, weights=weights, init_missing_mtp=init_missing_mtp, block=block
     )
     for module in model.modules():
         fill(module)
@@ -208,4 +224,10 @@ def build_model(model_recipe: ModelRecipe, *, seed: int = 0) -> nn.Module:
         seed=seed,
         weights=model_recipe.weights_dir,
         init_missing_mtp=model_recipe.init_missing_mtp,
+        block=checkpoint_block(model_recipe),
     )
+
+
+def checkpoint_block(model_recipe: ModelRecipe) -> tuple[int, int] | None:
+    """The FP8 blocks of the recipe's checkpoint (its ``quantization_config``), or ``None``."""
+    return model_recipe.block if model_recipe.quantization is not None else None

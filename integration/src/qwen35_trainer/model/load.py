@@ -25,10 +25,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from qwen35_trainer.model.adapter import CheckpointFiles, StateDictAdapter
+from qwen35_trainer.model.fp8_load import fp8_reader, fp8_role
 from qwen35_trainer.model.lora import is_adapter
 from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index, read_local
+from qwen35_trainer.model.stored import Stored
 from qwen35_trainer.parallel.dist import any_rank
 
 __all__ = ["load_hf_weights", "plan_hf_load"]
@@ -37,15 +39,22 @@ logger = logging.getLogger("qwen35_trainer")
 
 
 def load_hf_weights(
-    model: nn.Module, path: str | Path, *, init_missing_mtp: bool = False
+    model: nn.Module,
+    path: str | Path,
+    *,
+    init_missing_mtp: bool = False,
+    block: tuple[int, int] | None = None,
 ) -> list[str]:
     """Fill every parameter of ``model`` (materialised, sharded or not) from the transformers
-    checkpoint directory ``path``; ``ValueError`` on every rank listing what does not fit.
-    Returns the names left unfilled: the MTP head's when the checkpoint has none and
-    ``init_missing_mtp`` (module docstring), else none."""
+    checkpoint directory ``path`` (``block``: an FP8 checkpoint's ``weight_block_size``);
+    ``ValueError`` on every rank listing what does not fit. Returns the names left unfilled: the
+    MTP head's when the checkpoint has none and ``init_missing_mtp`` (module docstring), else
+    none."""
     params = list(named_parameters(model))
     device = params[0][3].device if params else torch.device("cpu")
-    readers, unfilled = plan_hf_load(model, path, device, init_missing_mtp=init_missing_mtp)
+    readers, unfilled = plan_hf_load(
+        model, path, device, init_missing_mtp=init_missing_mtp, block=block
+    )
     with torch.no_grad():
         for name, _, _, param in params:
             if name in readers:
@@ -55,18 +64,27 @@ def load_hf_weights(
 
 
 def plan_hf_load(
-    model: nn.Module, path: str | Path, device: torch.device, *, init_missing_mtp: bool = False
+    model: nn.Module,
+    path: str | Path,
+    device: torch.device,
+    *,
+    init_missing_mtp: bool = False,
+    block: tuple[int, int] | None = None,
 ) -> tuple[dict, list[str]]:
     """``(readers, unfilled)``: a reader per parameter name of ``model`` (materialised or
-    still on the meta device) from the checkpoint directory ``path``, checked from metadata
-    only, and the names left to the caller (:func:`load_hf_weights`). The ranks agree on
-    whether any found a problem (one all-reduce on ``device``) and all raise the same
-    ``ValueError``."""
+    still on the meta device) from the checkpoint directory ``path`` (``block``: an FP8
+    checkpoint's ``weight_block_size``), checked from metadata only — shapes and dtypes — and
+    the names left to the caller (:func:`load_hf_weights`). A parameter of a weight the model
+    holds in FP8 reads its bytes or scales (:mod:`qwen35_trainer.model.fp8_load`); any other
+    reads the weight's values (an FP8 tensor dequantized). The ranks agree on whether any found
+    a problem (one all-reduce on ``device``) and all raise the same ``ValueError``."""
     params = list(named_parameters(model))
     mtp = [name for name, _, _, _ in params if name.startswith(MTP_PREFIX)]
     problems: list[str] = []
     try:
-        adapter = StateDictAdapter(CheckpointFiles(path), skipped=() if mtp else (MTP_PREFIX,))
+        adapter = StateDictAdapter(
+            CheckpointFiles(path), skipped=() if mtp else (MTP_PREFIX,), block=block
+        )
     except ValueError as err:
         adapter, problems = None, [str(err)]
     readers = {}
@@ -83,10 +101,19 @@ def plan_hf_load(
                     "tensors): set model.mtp_layers: 0 to train without it, or "
                     "model.init_missing_mtp: true to start it from the seeded initialisation"
                 )
-        for name, _, _, param in params:
+        stored: dict[str, Stored | None] = {}
+        for name, module, attr, param in params:
             if (mtp_absent and name.startswith(MTP_PREFIX)) or is_adapter(name):
                 continue  # LoRA adapters start name-seeded, never from the base checkpoint
-            readers[name] = adapter.reader(name, tuple(param.shape), problems)
+            role = fp8_role(module, attr)
+            weight = name if role is None else name.removesuffix(attr) + role.weight
+            if weight not in stored:
+                shape = tuple(param.shape) if role is None else role.shape
+                stored[weight] = adapter.stored(weight, shape, problems)
+            if stored[weight] is not None:
+                readers[name] = (
+                    stored[weight].values if role is None else fp8_reader(stored[weight], role)
+                )
         skipped, unexpected = adapter.unused()
         problems += [f"{key}: on disk, not in the model" for key in unexpected]
     if any_rank(bool(problems), device):

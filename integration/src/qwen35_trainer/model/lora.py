@@ -28,6 +28,7 @@ from torch import nn
 
 from moe_parallel import LoRASpec, add_expert_lora
 from moe_parallel.moe import Experts
+from qwen35_trainer.model.fp8 import base_linear
 
 __all__ = ["LoRALinear", "add_lora", "is_adapter", "lora_spec", "merged", "store_frozen"]
 
@@ -45,15 +46,19 @@ def is_adapter(name: str) -> bool:
 
 class LoRALinear(nn.Linear):
     """``nn.Linear`` with an adapter: ``lora_A`` [r, in], ``lora_B`` [out, r], ``lora_scale``
-    s and ``lora_dropout`` (the probability on the adapter's input, in training)."""
+    s and ``lora_dropout`` (the probability on the adapter's input, in training). The base
+    weight may be FP8 (:func:`qwen35_trainer.model.fp8.base_linear`); the adapters run in the
+    input's dtype (fp32 masters under bf16 compute are cast here, as a mixed-precision
+    all-gather would have)."""
 
     lora_scale: float
     lora_dropout: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = base_linear(self, x)
         x_in = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
-        return y + self.lora_scale * F.linear(F.linear(x_in, self.lora_A), self.lora_B)
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        return y + self.lora_scale * F.linear(F.linear(x_in, a), b)
 
 
 def lora_spec(lora, *, experts: bool = False) -> LoRASpec:
@@ -107,8 +112,11 @@ def add_lora(model: nn.Module, lora) -> list[str]:
 def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
     """Keep every frozen parameter in ``dtype`` (bf16 under bf16 mixed precision: it has no
     master copy to keep, no gradient and no optimizer state, and the compute casts it to bf16
-    anyway, so the step is the same bit for bit); in place, before the model is sharded."""
-    for param in model.parameters():
+    anyway, so the step is the same bit for bit); in place, before the model is sharded. A
+    base held in FP8 (:mod:`qwen35_trainer.model.fp8`) keeps its FP8 bytes and fp32 scales."""
+    for name, param in model.named_parameters():
+        if param.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"):
+            continue
         if not param.requires_grad:
             param.data = param.data.to(dtype)
 

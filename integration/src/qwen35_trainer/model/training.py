@@ -34,6 +34,7 @@ def build_training_model(
         "seed": recipe.train.seed,
         "weights": recipe.model.weights_dir,
         "init_missing_mtp": recipe.model.init_missing_mtp,
+        "block": build.checkpoint_block(recipe.model),
     }
     # FSDP2 shards the meta model, then each rank fills its shards; megatron-fsdp fills each
     # unit's whole modules itself, module by module, as it shards them

@@ -244,11 +244,16 @@ def parallelize(
     dims = dims or validate_layout(recipe, world())
     meshes = dims.build(device.type)
     bf16 = recipe.train.dtype == "bfloat16"
+    lora = recipe.model.lora is not None
     apply_parallelism(
         objective,
         meshes,
         activation_checkpointing=recipe.train.activation_checkpointing,
-        param_dtype=torch.bfloat16 if bf16 else None,
+        # LoRA: the frozen base is stored in the compute dtype (or FP8) and the adapters cast
+        # themselves, so FSDP casts nothing (it would turn FP8 bytes into bf16 ones)
+        param_dtype=torch.bfloat16 if bf16 and not lora else None,
+        # one LoRA process: no FSDP, whose unsharded copies would only duplicate the base
+        fsdp=not (lora and dims.world == 1),
         sequence_parallel=dims.sp,
         # async TP only where it can run (validate_layout refused it elsewhere; the planner
         # builds GPU layouts on a fake CPU world, where the TP linears are the same parameters)
@@ -297,11 +302,12 @@ def apply_parallelism(
     fsdp_backend: str = "fsdp2",
     filler: Callable[[], Callable[[torch.nn.Module], None]] | None = None,
     device: torch.device | None = None,
+    fsdp: bool = True,
 ) -> None:
     """TP (``sequence_parallel``: with SP), EP, activation checkpointing, then FSDP2 (or
     megatron-fsdp, ``fsdp_backend="megatron"``: materialised on ``device`` with
     ``filler()``, :func:`qwen35_trainer.parallel.megatron.shard_megatron`), in
-    place, on ``meshes``.
+    place, on ``meshes``; ``fsdp=False`` leaves the parameters unsharded (one process).
 
     ``param_dtype``: FSDP2's compute dtype (bf16), with fp32 sharded (master) parameters and
     fp32 gradient reduction; ``None`` computes in the parameters' dtype."""
@@ -344,6 +350,8 @@ def apply_parallelism(
                 "planner and other meta-only builds plan FSDP2 (parallel.fsdp_backend=fsdp2)"
             )
         shard_megatron(objective, meshes, device, FSDP_UNITS, filler, param_dtype)
+        return
+    if not fsdp:
         return
     mp = None
     if param_dtype is not None:

@@ -92,6 +92,7 @@ def local_adapter(
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         x_in = F.dropout(x, dropout, module.training) if dropout else x
-        return F.linear(x, weight) + scale * F.linear(F.linear(x_in, a), b)
+        adapter = F.linear(F.linear(x_in, a.to(x.dtype)), b.to(x.dtype))
+        return F.linear(x, weight) + scale * adapter
 
     return forward

@@ -20,15 +20,8 @@ from qwen35_trainer.recipe.files import (
     recipe_from_dict,
     recipe_path,
 )
-from qwen35_trainer.recipe.schema import (
-    LORA_TARGETS,
-    DataRecipe,
-    LoRARecipe,
-    ModelRecipe,
-    ParallelRecipe,
-    Recipe,
-    TrainRecipe,
-)
+from qwen35_trainer.recipe.model_schema import LORA_TARGETS, LoRARecipe, ModelRecipe
+from qwen35_trainer.recipe.schema import DataRecipe, ParallelRecipe, Recipe, TrainRecipe
 
 __all__ = [
     "BUILTIN_RECIPES",

@@ -1,6 +1,7 @@
 """``model.path``: a transformers checkpoint directory as the source of truth for the model.
 
-Its ``config.json`` gives the text and vision configs and the token ids; its safetensors are
+Its ``config.json`` gives the text and vision configs, the token ids and, for an FP8
+checkpoint, its ``quantization_config`` (``model.quantization``); its safetensors are
 the weights; its processor files are the data's (``data.processor`` defaults to it). This module
 fills a recipe's ``model`` section from ``config.json`` before the recipe is built, so every
 stage (model, planner, synthetic stream, data) reads one set of numbers:
@@ -57,6 +58,7 @@ def _read(path: str) -> dict[str, Any]:
         "text": {k: v for k, v in text.items() if k not in _BOOKKEEPING},
         "vision": {k: v for k, v in vision.items() if k not in _BOOKKEEPING},
         **{k: config.get(k) for k in TOKEN_IDS},
+        "quantization": config.get("quantization_config"),
     }
 
 
@@ -120,6 +122,13 @@ def with_checkpoint_config(data: dict[str, Any]) -> dict[str, Any]:
     for key in TOKEN_IDS:
         if key in model and model[key] != override.get(key, disk[key]):
             disagree.append(f"model.{key}: recipe {model[key]!r}, checkpoint {disk[key]!r}")
+    if model.get("quantization") is not None and not _same(
+        model["quantization"], disk["quantization"] or {}
+    ):
+        disagree.append(
+            f"model.quantization: recipe {model['quantization']!r}, checkpoint's "
+            f"quantization_config {disk['quantization']!r}"
+        )
     if disagree:
         raise ValueError(
             f"model.path {path}/config.json disagrees with the recipe (state a "
@@ -130,6 +139,7 @@ def with_checkpoint_config(data: dict[str, Any]) -> dict[str, Any]:
         resolved[section] = {**disk[section], **override.get(section, {})}
     for key in TOKEN_IDS:
         resolved[key] = override.get(key, disk[key])
+    resolved["quantization"] = disk["quantization"]
     out = {**data, "model": resolved}
     section = data.get("data")
     dataset = isinstance(section, dict) and (section.get("path") or section.get("source"))

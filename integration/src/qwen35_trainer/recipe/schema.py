@@ -8,161 +8,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from qwen35_trainer.recipe.model_schema import LoRARecipe, ModelRecipe
+from qwen35_trainer.recipe.rules import refuse
+
 __all__ = ["DataRecipe", "LoRARecipe", "ModelRecipe", "ParallelRecipe", "Recipe", "TrainRecipe"]
-
-# What model.lora.targets may name: the decoder's (and the MTP head's) projections, the shared
-# expert's, and the routed experts (grouped adapters inside the expert computation).
-LORA_TARGETS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "in_proj_qkv",
-    "in_proj_z",
-    "in_proj_b",
-    "in_proj_a",
-    "out_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "experts",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoRARecipe:
-    """Low-rank adapters instead of full fine-tuning (:mod:`qwen35_trainer.model.lora`): every
-    weight stays frozen and each target projection ``W`` computes ``W x + s · B A drop(x)``
-    with ``A`` [rank, in], ``B`` [out, rank] (zero at the start: the model starts as the base),
-    ``s = alpha / rank`` (``rslora``: ``alpha / sqrt(rank)``) and ``dropout`` on the adapter's
-    input. ``targets``: module names (:data:`LORA_TARGETS`; every one must match a module of
-    the model): the attention's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``, the Gated
-    DeltaNet's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` / ``out_proj``,
-    the shared expert's ``gate_proj`` / ``up_proj`` / ``down_proj``, and ``experts``: the
-    routed experts, one adapter pair per expert and projection (A [E, rank, in], B [E, out,
-    rank]) applied inside the grouped expert computation, of rank ``expert_rank`` (``None``:
-    ``rank``). The router, norms, embeddings and the vision tower stay frozen."""
-
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = LORA_TARGETS
-    expert_rank: int | None = None
-    rslora: bool = False
-
-    def __post_init__(self) -> None:
-        unknown = [t for t in self.targets if t not in LORA_TARGETS]
-        _refuse(
-            "model.lora",
-            {
-                "rank": (_is_int(self.rank) and self.rank >= 1, "an integer >= 1"),
-                "alpha": (self.alpha > 0, "> 0"),
-                "dropout": (0.0 <= self.dropout < 1.0, "in [0, 1)"),
-                "expert_rank": (
-                    self.expert_rank is None
-                    or (_is_int(self.expert_rank) and self.expert_rank >= 1),
-                    "an integer >= 1, or null for model.lora.rank",
-                ),
-                "targets": (
-                    bool(self.targets) and not unknown,
-                    f"a non-empty list of {list(LORA_TARGETS)}"
-                    + (f" (unknown: {unknown})" if unknown else ""),
-                ),
-            },
-            self,
-        )
-
-    @property
-    def experts_rank(self) -> int:
-        """The routed experts' adapter rank."""
-        return self.expert_rank or self.rank
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelRecipe:
-    """``text`` / ``vision``: keyword arguments of ``Qwen3_5MoeTextConfig`` /
-    ``Qwen3_5MoeVisionConfig``; the token ids place image tokens inside the vocabulary.
-
-    ``path``: a transformers checkpoint directory, the source of truth: its ``config.json``
-    fills ``text``, ``vision`` and the token ids (a value the recipe states must equal it), its
-    safetensors are the starting weights and its processor the data's
-    (:mod:`qwen35_trainer.recipe.model_path`); ``override``: deliberate changes to ``config.json``
-    (``text`` / ``vision`` mappings, token ids). ``weights``: without ``path``, a transformers
-    checkpoint directory to start from whose config the recipe states (same architecture).
-
-    ``mtp_layers``: depth of the multi-token-prediction head (``mtp.*``, :mod:`qwen35_trainer.
-    model.mtp`); ``None`` takes ``text.mtp_num_hidden_layers`` (1 in the public checkpoints, 0
-    when absent), 0 turns it off (nothing trained, none exported). ``init_missing_mtp``: a
-    starting checkpoint without ``mtp.*`` tensors is an error while the head is on, unless this
-    is true: then the head starts from the name-seeded initialisation (logged).
-
-    Kernels (:mod:`qwen35_trainer.model.kernels`): ``attention_backend`` (``auto``, ``torch``,
-    ``flash``), ``gdn_backend`` (``auto``, ``torch``, ``fla``), ``expert_backend`` (``auto``,
-    ``torch``, ``te``); ``auto`` takes the fast GPU kernel when it is installed and the run is on
-    CUDA, a named one that cannot run is an error.
-
-    ``lora``: train low-rank adapters on a frozen model instead of every weight
-    (:class:`LoRARecipe`); ``None``: full fine-tuning."""
-
-    text: dict[str, Any]
-    vision: dict[str, Any]
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-    expert_backend: str = "auto"
-    attention_backend: str = "auto"
-    gdn_backend: str = "auto"
-    weights: str | None = None
-    path: str | None = None
-    override: dict[str, Any] = dataclasses.field(default_factory=dict)
-    mtp_layers: int | None = None
-    init_missing_mtp: bool = False
-    lora: LoRARecipe | None = None
-
-    def __post_init__(self) -> None:
-        if self.path and self.weights:
-            raise ValueError(
-                "model.weights and model.path are two sources of weights: with "
-                "model.path the weights are its safetensors (drop model.weights)"
-            )
-        depth = self.text.get("mtp_num_hidden_layers", 0)
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-            raise ValueError(
-                f"model.text.mtp_num_hidden_layers must be an integer >= 0, got {depth!r}"
-            )
-        _refuse(
-            "model",
-            {
-                "mtp_layers": (
-                    self.mtp_layers is None
-                    or (
-                        isinstance(self.mtp_layers, int)
-                        and not isinstance(self.mtp_layers, bool)
-                        and self.mtp_layers >= 0
-                    ),
-                    "an integer >= 0, or null for model.text.mtp_num_hidden_layers",
-                ),
-            },
-            self,
-        )
-
-    @property
-    def mtp_depth(self) -> int:
-        """The multi-token-prediction layers the model has: ``mtp_layers``, else the text
-        config's ``mtp_num_hidden_layers`` (0 when absent)."""
-        if self.mtp_layers is not None:
-            return self.mtp_layers
-        return int(self.text.get("mtp_num_hidden_layers", 0))
-
-    @property
-    def weights_dir(self) -> str | None:
-        """Where the starting weights are read from (``None``: name-seeded initialisation)."""
-        return self.path or self.weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +87,7 @@ class DataRecipe:
     def __post_init__(self) -> None:
         lo, hi = self.text_tokens
         dataset = self.dataset
-        _refuse(
+        refuse(
             "data",
             {
                 "samples_per_rank": (self.samples_per_rank >= 1, ">= 1"),
@@ -296,17 +145,6 @@ ON_BAD_ROW = ("raise", "skip")
 DTYPES = ("float32", "bfloat16")
 ON_NONFINITE = ("stop", "skip")
 SCHEDULES = ("constant", "linear", "cosine")
-
-
-def _refuse(section: str, rules: dict[str, tuple[bool, str]], values: Any) -> None:
-    """One ``ValueError`` naming every field of ``section`` whose rule fails."""
-    bad = [
-        f"{section}.{name} must be {what}, got {getattr(values, name)!r}"
-        for name, (ok, what) in rules.items()
-        if not ok
-    ]
-    if bad:
-        raise ValueError("; ".join(bad))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,7 +222,7 @@ class TrainRecipe:
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas
-        _refuse(
+        refuse(
             "train",
             {
                 "steps": (self.steps >= 1, ">= 1"),

@@ -152,13 +152,16 @@ def quantize(
     n, rows, cols = _grids(tuple(weight.shape), form)
     bo, bi = form.block
     nbo, nbi = -(-rows // bo), -(-cols // bi)
+    scale_shape = form.scale_shape(tuple(weight.shape))
+    if weight.numel() == 0:  # an empty shard
+        empty = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+        return empty, torch.ones(scale_shape, dtype=scale_dtype, device=weight.device)
     w_nrc = weight.reshape(n, rows, cols).float()
     padded = F.pad(w_nrc.abs(), (0, nbi * bi - cols, 0, nbo * bo - rows))
     amax = padded.view(n, nbo, bo, nbi, bi).amax(dim=(2, 4))
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(scale_dtype)
     ratio = w_nrc / _expand(scale.float(), form.block, rows, cols)
     data = ratio.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
-    scale_shape = form.scale_shape(tuple(weight.shape))
     return data.reshape(weight.shape), scale.reshape(scale_shape)
 
 

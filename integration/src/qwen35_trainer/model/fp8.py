@@ -1,0 +1,100 @@
+"""The frozen base in block-scaled FP8 (``model.base_dtype: fp8``, or LoRA on an FP8 checkpoint).
+
+Which weights: those Qwen's FP8 releases convert — in every decoder layer and in the
+multi-token-prediction head's layers, the attention's ``q/k/v/o_proj``, the Gated DeltaNet's
+``in_proj_qkv``, ``in_proj_z`` and ``out_proj``, the shared expert's ``gate/up/down_proj`` and
+the routed experts (:data:`CONVERTED`). Everything else stays in its dtype as in those releases:
+embeddings, ``lm_head``, norms, the routers and ``shared_expert_gate``, the Gated DeltaNet's
+``A_log``, ``conv1d``, ``dt_bias``, ``in_proj_a`` / ``in_proj_b``, the vision tower and the MTP
+head's ``fc``.
+
+How: :func:`hold_base_in_fp8` changes the meta model before it is parallelised. A converted
+projection's ``weight`` becomes a float8_e4m3fn parameter with ``weight_scale_inv`` (fp32,
+``[ceil(out / bo), ceil(in / bi)]``) beside it and ``fp8_form`` set; a projection without an
+adapter becomes an :class:`FP8Linear`. The routed experts go through
+:func:`moe_parallel.quantize_experts`. Every one of them is frozen. The values are filled per
+shard afterwards (:mod:`qwen35_trainer.model.fp8_load`: the checkpoint's FP8 bytes and scales
+as stored, or a bf16 checkpoint quantized on load).
+
+Compute: :func:`base_linear` is the one linear of a (possibly FP8) projection;
+:func:`moe_parallel.fp8_linear` dequantizes the weight in the activations' dtype for the call
+and again in the backward, saving only the FP8 bytes, so the model never holds its base in bf16
+(the routed experts do the same per layer, for this rank's experts only).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_parallel import BlockFormat, FP8Weight, fp8_linear, quantize_experts
+
+__all__ = ["CONVERTED", "FP8_LAYERS", "FP8Linear", "base_linear", "hold_base_in_fp8", "is_fp8"]
+
+# the projections held in FP8 (module name suffixes), in the layers of FP8_LAYERS
+CONVERTED = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "linear_attn.in_proj_qkv",
+    "linear_attn.in_proj_z",
+    "linear_attn.out_proj",
+    "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj",
+    "mlp.shared_expert.down_proj",
+)
+FP8_LAYERS = ("model.language_model.layers.", "mtp.layers.")
+
+
+def base_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s own linear of ``x``: ``F.linear``, or with an FP8 weight the linear of its
+    dequantized weight (module docstring)."""
+    form = getattr(module, "fp8_form", None)
+    if form is None:
+        return F.linear(x, module.weight, module.bias)
+    y = fp8_linear(x, FP8Weight(module.weight, module.weight_scale_inv, form))
+    return y if module.bias is None else y + module.bias
+
+
+class FP8Linear(nn.Linear):
+    """A frozen projection whose ``weight`` is FP8 with ``weight_scale_inv`` beside it."""
+
+    fp8_form: BlockFormat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return base_linear(self, x)
+
+
+def is_fp8(param: torch.Tensor) -> bool:
+    """Whether ``param`` holds FP8 bytes."""
+    return param.dtype == torch.float8_e4m3fn
+
+
+def _convert(module: nn.Linear, form: BlockFormat) -> None:
+    shape = tuple(module.weight.shape)
+    data = torch.empty(shape, dtype=torch.float8_e4m3fn, device="meta")
+    scale = torch.empty(form.scale_shape(shape), device="meta")
+    module.register_parameter("weight", nn.Parameter(data, requires_grad=False))
+    module.register_parameter("weight_scale_inv", nn.Parameter(scale, requires_grad=False))
+    module.fp8_form = form
+    if type(module) is nn.Linear:
+        module.__class__ = FP8Linear
+
+
+def hold_base_in_fp8(model: nn.Module, block: tuple[int, int]) -> list[str]:
+    """Hold ``model``'s converted projections and routed experts (module docstring) in FP8
+    with ``block`` scales, on the meta device, after LoRA was added; returns the converted
+    modules' names."""
+    if any(not p.is_meta for p in model.parameters()):
+        raise ValueError("hold_base_in_fp8 changes the meta model, before it is materialised")
+    form = BlockFormat(tuple(block))
+    converted = []
+    for name, module in model.named_modules():
+        if name.startswith(FP8_LAYERS) and name.endswith(CONVERTED):
+            if not isinstance(module, nn.Linear):
+                raise ValueError(f"{name} is a {type(module).__name__}, not a linear projection")
+            _convert(module, form)
+            converted.append(name)
+    return converted + quantize_experts(model, block)
