@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+import fsdp_compat
 import fsdp_compat.fsdp2
 from dist_testkit import assert_close, assert_grads_close, make_mesh, named_check, run_checks
 from fsdp_compat import MixedPrecision, clip_grad_norm, flatten_mesh, get_mesh_dim, shard_model
@@ -317,6 +318,65 @@ def check_dcp_roundtrip(path: str) -> None:
         assert_close(p, saved[name], rtol=0, atol=0, name=name)
 
 
+def check_frozen_fp8_gathered_as_bytes() -> None:
+    """A frozen float8 weight (FP8 bytes + fp32 block scales) beside an fp32 trainable one,
+    without casts: FSDP2 all-gathers the unit's bytes (float8 one byte each: gloo has no
+    float8, the mixed-dtype group travels as uint8) and the unit's forward sees the whole
+    weight; ``full_tensor`` rebuilds the float8 weight bit for bit (as bytes)."""
+    torch.manual_seed(0)
+    weight = torch.randn(6, 4).to(torch.float8_e4m3fn)
+
+    class Frozen8(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+            self.scale = torch.nn.Parameter(torch.full((2, 1), 0.5), requires_grad=False)
+            self.adapter = torch.nn.Parameter(torch.randn(3, 4))
+
+        def forward(self, x):
+            dense = self.weight.float() * self.scale.repeat_interleave(3, 0)
+            return (x @ dense.T).sum() + (x @ self.adapter.T).sum()
+
+    class Outer(torch.nn.Module):
+        _no_split_modules = ("Frozen8",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.unit = Frozen8()
+
+        def forward(self, x):
+            return self.unit(x)
+
+    model = shard_model(Outer(), _dp_cp_mesh(), shard_dims=("dp", "cp"))
+    gathered = []
+    original = dist.all_gather_single
+
+    def recorded(out, inp, *args, **kwargs):
+        gathered.append((out.dtype, out.numel()))
+        return original(out, inp, *args, **kwargs)
+
+    dist.all_gather_single = recorded
+    try:
+        x = torch.ones(2, 4)
+        out = model(x)
+        out.backward()
+    finally:
+        dist.all_gather_single = original
+    world = dist.get_world_size()
+    assert gathered and all(dtype == torch.uint8 for dtype, _ in gathered), gathered
+    # 24 FP8 bytes + 2 fp32 scales + 12 fp32 adapter elements, each padded to world rows
+    padded = sum(-(-rows // world) * world * cols * size for rows, cols, size in
+                 ((6, 4, 1), (2, 1, 4), (3, 4, 4)))  # fmt: skip
+    assert gathered[0][1] == padded, (gathered, padded)
+    adapter = fsdp_compat.full_tensor(model.unit.adapter)
+    want = (x @ (weight.float() * 0.5).T).sum() + (x @ adapter.detach().T).sum()
+    assert_close(out.detach(), want)
+    assert model.unit.adapter.grad is not None
+    full = fsdp_compat.full_tensor(model.unit.weight)
+    assert full.dtype == torch.float8_e4m3fn
+    assert torch.equal(full.view(torch.uint8), weight.view(torch.uint8))
+
+
 def check_bad_inputs() -> None:
     mesh = _dp_cp_mesh()
     cases = [
@@ -365,6 +425,7 @@ def _checks(world: int, path: str) -> list:
         check_optional_args_only_when_set,
         check_mixed_precision_bf16,
         check_bad_inputs,
+        check_frozen_fp8_gathered_as_bytes,
     ]
     if HAVE_NUMPY:
         common.append(named_check("check_dcp_roundtrip", check_dcp_roundtrip, path))

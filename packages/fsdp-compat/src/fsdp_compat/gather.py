@@ -16,7 +16,8 @@ to the global dim 0, which is checked (a layout that is not rank-ordered blocks 
 rather than returning a shuffled tensor). Tensors sharded on another dim or on several mesh
 dims (TP, EP inside FSDP) go to ``DTensor.full_tensor()``, which is right for them. Every rank
 takes the same branch (it depends on placements only) and the collectives run on tensors of the
-group's device.
+group's device. A float8 tensor (a frozen FP8 weight) is gathered as its bytes: gloo has no
+float8 type, and the bytes are the values.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     rank of ``t``'s mesh must call it."""
     if not isinstance(t, DTensor):
         return t
+    if t.dtype.is_floating_point and t.dtype.itemsize == 1:  # float8: as bytes
+        local = t.to_local().detach().view(torch.uint8)
+        as_bytes = DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+        return full_tensor(as_bytes).view(t.dtype)
     sharded = [i for i, p in enumerate(t.placements) if not p.is_replicate()]
     if len(sharded) != 1 or getattr(t.placements[sharded[0]], "dim", None) != 0:
         return t.full_tensor()
