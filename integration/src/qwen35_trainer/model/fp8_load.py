@@ -81,7 +81,7 @@ def quantized_reader(values: RowReader, role: FP8Role) -> RowReader:
 def fp8_reader(stored, role: FP8Role) -> RowReader:
     """How to read ``role``'s parameter from a checkpoint weight's :class:`~qwen35_trainer.
     model.stored.Stored`: as stored when it is FP8 (in the runtime's blocks), else quantized."""
-    if stored.fp8:
+    if stored.quantized:
         if tuple(stored.block) != tuple(role.form.block):
             raise ValueError(
                 f"{stored.keys[0][0]}: FP8 blocks {list(stored.block)} on disk, the model holds "

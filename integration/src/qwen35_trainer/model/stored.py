@@ -46,13 +46,13 @@ def scale_key(key: str) -> str:
 @dataclasses.dataclass
 class Stored:
     """``keys[i]``: the on-disk parts of stacked index ``i`` (``stacked``: dim 0 indexes them,
-    the experts) or the one tensor ``[[key]]``; ``fp8``: the parts are FP8 with scales in
-    blocks of ``block``."""
+    the experts) or the one tensor ``[[key]]``; ``quantized``: the parts are FP8 with scales
+    in blocks of ``block``."""
 
     files: object
     keys: list[list[str]]
     stacked: bool
-    fp8: bool = False
+    quantized: bool = False
     block: tuple[int, int] | None = None
 
     @classmethod
@@ -84,7 +84,7 @@ class Stored:
     def used(self) -> list[str]:
         """Every on-disk tensor this reads (the scales included)."""
         flat = [k for ks in self.keys for k in ks]
-        return flat + ([scale_key(k) for k in flat] if self.fp8 else [])
+        return flat + ([scale_key(k) for k in flat] if self.quantized else [])
 
     def _parts(self, lo: int, hi: int, read) -> torch.Tensor:
         """Rows ``lo:hi``: of the one tensor, or experts ``lo:hi`` each its parts' rows."""
@@ -98,7 +98,7 @@ class Stored:
 
     def values(self, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo:hi`` of the weight's values (an FP8 tensor dequantized, fp32)."""
-        return self._parts(lo, hi, self._dequantized if self.fp8 else self.files.rows)
+        return self._parts(lo, hi, self._dequantized if self.quantized else self.files.rows)
 
     def fp8(self, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo:hi`` of the FP8 bytes as stored."""
