@@ -171,7 +171,9 @@ def test_logits_and_gradients_equal_the_dequantized_model(checkpoints):
 
 def test_quantize_on_load_equals_the_block_loop(checkpoints):
     base, _, _ = checkpoints
-    model = build_model(_recipe(base, LORA, "model.base_dtype=fp8", "model.fp8_block=[12, 12]").model)
+    model = build_model(
+        _recipe(base, LORA, "model.base_dtype=fp8", "model.fp8_block=[12, 12]").model
+    )
     disk, held = _on_disk(base), _runtime_fp8(model)
     assert len(held) == 3 * 8 + 2 * 9
     quantized = {}
@@ -212,7 +214,9 @@ def _exit_and_message(capsys, sets):
                      r"quantization_config"),
     ],
 )  # fmt: skip
-def test_a_bad_fp8_checkpoint_exits_2_naming_the_tensor(checkpoints, tmp_path, capsys, fault, message):
+def test_a_bad_fp8_checkpoint_exits_2_naming_the_tensor(
+    checkpoints, tmp_path, capsys, fault, message
+):
     _, fp8, _ = checkpoints
     layer = "model.language_model.layers."
 

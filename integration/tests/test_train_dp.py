@@ -48,6 +48,9 @@ from dist_checks import (
     layout_recipe,
 )
 
+from fp8_dist_checks import check_fp8_equals_one_process
+from fp8_fixtures import export_base, fp8_checkpoint
+
 from dist_testkit import named_check, run_checks
 from qwen35_trainer import train
 
@@ -55,6 +58,8 @@ MTP_ON = ("data.packing=true", "model.mtp_layers=1")
 # LoRA (model.lora): adapters on every projection and the routed experts (their own rank),
 # alpha != rank (a scale of 16, so 3 steps at the tiny recipe's lr learn); everything else frozen
 LORA = ("model.lora.rank=4", "model.lora.alpha=64", "model.lora.expert_rank=8")
+# the same adapters on the FP8 checkpoint written by the ``fp8_base`` fixture
+FP8_BASE = ("model.path={fp8}", *LORA)
 
 # name -> (overrides, reference variant, world sizes). {world}, {half}, {rows}, {export} are
 # filled per launch; a reference variant is the one-process run with the same data and options.
@@ -288,6 +293,23 @@ LAYOUTS = {
         "lora_mtp",
         (4,),
     ),
+    # LoRA on an FP8 checkpoint in Qwen's format (blocks of 12 x 12, partial at every edge;
+    # FP8_BASE): its experts' FP8 bytes and scales split by EP 2, and under DP 2 x CP 2 x EP 2
+    # with checkpointing (the recompute dequantizes again) and the MTP head (FP8 too)
+    "lora_fp8_ep2": (("parallel.ep=2", *FP8_BASE, "model.mtp_layers=0"), "lora_fp8", (2,)),
+    "lora_fp8_dp2_cp2_ep2": (
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank=2",
+            "train.activation_checkpointing=true",
+            *MTP_ON,
+            *FP8_BASE,
+        ),
+        "lora_fp8_mtp",
+        (4,),
+    ),
     # bf16 (fp32 master weights and reduction) against one-process bf16, with the MTP head;
     # see BF16_COMPARE
     "bf16_dp2_cp2_ep2": (
@@ -367,6 +389,8 @@ VARIANTS = {
     "eval_no_aux": ("train.eval_every=1", "train.router_aux_loss_coef=0"),
     "lora": LORA,
     "lora_mtp": (*MTP_ON, *LORA),
+    "lora_fp8": (*FP8_BASE, "model.mtp_layers=0"),
+    "lora_fp8_mtp": (*MTP_ON, *FP8_BASE),
 }
 # bf16 rounds every matmul input to 8 mantissa bits and the ranks add partial results in another
 # order than one process, so the runs agree to bf16 resolution (2^-8 = 0.4 % per rounding), not
@@ -379,6 +403,7 @@ COMPARE = {
     "no_aux": {"fields": ("loss", "ce", "grad_norm")},
     "mtp": {"fields": (*FIELDS, "mtp_loss")},
     "lora_mtp": {"fields": (*FIELDS, "mtp_loss")},
+    "lora_fp8_mtp": {"fields": (*FIELDS, "mtp_loss")},
     "mtp_bf16": {**BF16_COMPARE, "fields": (*FIELDS, "mtp_loss")},
     "eval_no_aux": {"fields": ("loss", "ce", "grad_norm", "eval_loss", "eval_accuracy")},
 }
@@ -391,15 +416,24 @@ def _check_of(layout: str):
         return check_megatron_equals_one_process
     if layout.startswith("async_tp"):
         return check_async_tp_equals_one_process
+    if "fp8" in layout:
+        return check_fp8_equals_one_process
     return check_training_equals_one_process
 
 
 @pytest.fixture(scope="module")
-def references():
+def fp8_base(tmp_path_factory):
+    """A tiny checkpoint in Qwen's FP8 format (:func:`fp8_fixtures.fp8_checkpoint`)."""
+    root = tmp_path_factory.mktemp("fp8_base")
+    return fp8_checkpoint(root / "fp8", export_base(root / "bf16"))
+
+
+@pytest.fixture(scope="module")
+def references(fp8_base):
     """The one-process run of each variant: its step logs and final (fp32) parameters."""
     out = {}
     for name, overrides in VARIANTS.items():
-        result = train(layout_recipe(1, *overrides))
+        result = train(layout_recipe(1, *(o.format(fp8=fp8_base) for o in overrides)))
         # one-process bf16 runs FSDP2 on a one-rank group: its DTensors' local part is whole
         state = {k: v.detach().float().clone() for k, v in result.state_dict().items()}
         assert len(result.logs) == STEPS and result.logs[-1].loss < result.logs[0].loss
@@ -413,7 +447,7 @@ def reference(references):
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def launch(request, references, tmp_path_factory):
+def launch(request, references, fp8_base, tmp_path_factory):
     world = request.param
     exported = tmp_path_factory.mktemp(f"export_world{world}")
     megatron_exported = tmp_path_factory.mktemp(f"megatron_export_world{world}")
@@ -424,6 +458,7 @@ def launch(request, references, tmp_path_factory):
         "export": exported,
         "megatron_export": megatron_exported,
         "ac": str(world == 4).lower(),
+        "fp8": fp8_base,
     }
     checks = {
         name: named_check(
