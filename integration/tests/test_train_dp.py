@@ -47,7 +47,6 @@ from dist_checks import (
     check_training_equals_one_process,
     layout_recipe,
 )
-
 from fp8_dist_checks import check_fp8_equals_one_process
 from fp8_fixtures import export_base, fp8_checkpoint
 
