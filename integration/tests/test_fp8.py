@@ -256,3 +256,95 @@ def test_fp8_without_lora_is_refused(checkpoints, capsys):
             "model.base_dtype=fp8"]  # fmt: skip
     code, err = _exit_and_message(capsys, sets)
     assert code == 2 and "model.base_dtype=fp8 needs model.lora" in err, err
+
+
+@pytest.fixture(scope="module")
+def trained(checkpoints, tmp_path_factory):
+    """3 steps of LoRA on the FP8 checkpoint, checkpointed."""
+    from qwen35_trainer import train
+
+    _, fp8, _ = checkpoints
+    ckpt = tmp_path_factory.mktemp("fp8_ckpt")
+    sets = (LORA, "train.steps=3", f"train.checkpoint_dir={ckpt}", "model.lora.alpha=64")
+    recipe = _recipe(fp8, *sets)
+    return recipe, train(recipe), ckpt, sets
+
+
+def _export(recipe_sets, fp8, ckpt, out, *flags):
+    sets = ["parallel.dp=1", "parallel.cp=1", "parallel.ep=1", "data.path=null",
+            "data.processor=null", "data.eval_path=null", f"model.path={fp8}", *PACKED,
+            *recipe_sets]  # fmt: skip
+    return main(["export", "tiny", *(a for s in sets for a in ("--set", s)), str(ckpt), str(out),
+                 *flags])  # fmt: skip
+
+
+def test_merged_exports_dequantize_or_requantize(checkpoints, trained, tmp_path):
+    import json
+
+    from fp8_fixtures import dequantize_by_hand
+
+    _, fp8, _ = checkpoints
+    recipe, result, ckpt, sets = trained
+    state = result.state_dict()
+    # bf16 by default (the source's dtype); float32 on request: transformers loads it and
+    # computes the trained model's logits
+    assert _export(sets, fp8, ckpt, tmp_path / "bf16", "--lora", "merged") == 0
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert _export(sets, fp8, ckpt, tmp_path / "f32", "--lora", "merged", "--dtype", "float32") == 0
+    loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path / "f32")
+    trained_model = build_model(recipe.model)
+    trained_model.load_state_dict(state)
+    batch = global_batch(recipe.model, recipe.data, 0, step=5, dp=1)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            hf_forward(loaded, batch).logits,
+            hf_forward(trained_model, batch).logits,
+            rtol=1e-5,
+            atol=1e-5,  # W x + s B (A x) against (W + s B A) x
+        )
+    # FP8: quantize(dequantize(W) + s · B A) in the source's blocks and scale dtype, per expert
+    assert _export(sets, fp8, ckpt, tmp_path / "fp8", "--lora", "merged", "--dtype", "fp8") == 0
+    written, source = _on_disk(tmp_path / "fp8"), _on_disk(fp8)
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    source_config = json.loads((fp8 / "config.json").read_text())
+    assert config["quantization_config"] == source_config["quantization_config"]
+    assert set(written) == set(source)  # the source's tensors, names and layout
+    scales = {"dense": 64 / 4, "experts": 64 / 8}  # alpha / rank, alpha / expert_rank
+    checked = 0
+    for key, value in source.items():
+        if value.dtype != torch.float8_e4m3fn:
+            assert written[key].dtype == torch.bfloat16, key
+            continue
+        base = dequantize_by_hand(value, source[f"{key}_scale_inv"], BLOCK)
+        module, _ = key.rsplit(".", 1)
+        if key.startswith("mtp."):  # the MTP head has no adapters
+            want_data, want_scale = value, source[f"{key}_scale_inv"]
+            assert torch.equal(written[key].view(torch.uint8), want_data.view(torch.uint8)), key
+            assert torch.equal(written[f"{key}_scale_inv"], want_scale), key
+            checked += 1
+            continue
+        parent, expert, proj = module.rsplit(".", 2) if ".experts." in key else (module, None, None)
+        if expert is None:
+            delta = scales["dense"] * state[f"{module}.lora_B"] @ state[f"{module}.lora_A"]
+        else:
+            part = "down" if proj == "down_proj" else "gate_up"
+            e = int(expert)
+            b, a = state[f"{parent}.lora_{part}_B"], state[f"{parent}.lora_{part}_A"]
+            delta = scales["experts"] * torch.bmm(b, a)[e]
+            rows = base.shape[0]
+            delta = delta[rows:] if proj == "up_proj" else delta[:rows]
+        want_data, want_scale = quantize_by_hand(base + delta, BLOCK)
+        assert torch.equal(written[key].view(torch.uint8), want_data.view(torch.uint8)), key
+        assert torch.equal(written[f"{key}_scale_inv"], want_scale), key
+        checked += 1
+    assert checked == len([k for k in source if k.endswith("_scale_inv")])
+
+
+def test_the_peft_export_names_the_fp8_checkpoint(checkpoints, trained, tmp_path):
+    import json
+
+    _, fp8, _ = checkpoints
+    _, _, ckpt, sets = trained
+    assert _export(sets, fp8, ckpt, tmp_path / "peft") == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(fp8)

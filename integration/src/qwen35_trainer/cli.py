@@ -256,7 +256,10 @@ def _export_main(argv: list[str]) -> int:
         help="the routed experts' layout (default: the source checkpoint's, stacked without one)",
     )
     parser.add_argument(
-        "--dtype", choices=DTYPES, help="the weights' dtype (default: the source checkpoint's)"
+        "--dtype",
+        choices=DTYPES,
+        help="the weights' dtype (default: the source checkpoint's; fp8: the projections Qwen's "
+        "FP8 releases convert in block-scaled FP8, with their quantization_config)",
     )
     parser.add_argument(
         "--lora",

@@ -18,12 +18,17 @@ ignores ``mtp.*``, the inference servers' MTP loaders read it), and ``config.jso
 head's depth (``mtp_num_hidden_layers``). ``dtype`` casts every tensor as it is written. A
 LoRA model (:mod:`qwen35_trainer.model.lora`) is written merged: each adapted weight as ``W +
 s · B A`` (per expert for the routed experts), the adapters themselves not at all — the
-folder is the trained function as a plain checkpoint.
+folder is the trained function as a plain checkpoint. A base held in FP8 is dequantized first
+(``W`` above), and its scales are not written. With ``fp8`` (:class:`FP8Export`) the weights
+Qwen's FP8 releases convert are written quantized from those values (:func:`moe_parallel.
+quantize`, per block ``amax / 448``) with their ``…_scale_inv`` beside them, per expert, and
+``config.json`` carries the ``quantization_config``: the folder is served like those releases.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -33,11 +38,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compat import full_tensor
+from moe_parallel import quantize
 from qwen35_trainer.model.adapter import on_disk
+from qwen35_trainer.model.fp8 import converted_form, dequantized
 from qwen35_trainer.model.lora import is_adapter, merged
 from qwen35_trainer.model.params import named_parameters
+from qwen35_trainer.model.stored import SCALE_SUFFIX
 
-__all__ = ["export_hf", "export_plan"]
+__all__ = ["FP8Export", "export_hf", "export_plan"]
 
 MAX_FILE_BYTES = 2 << 30
 # transformers' class of the trained model (``type(model)`` is FSDP2's subclass of it once sharded)
@@ -70,6 +78,41 @@ def _file_name(number: int, total: int) -> str:
     return f"model-{number:05d}-of-{total:05d}.safetensors"
 
 
+@dataclasses.dataclass(frozen=True)
+class FP8Export:
+    """Write the converted weights (:func:`qwen35_trainer.model.fp8.converted_form`) in
+    block-scaled FP8 as Qwen's FP8 releases hold them: ``block``, scales in ``scale_dtype``,
+    per expert, and ``quantization_config`` in ``config.json``."""
+
+    block: tuple[int, int]
+    scale_dtype: torch.dtype
+    quantization_config: dict
+
+
+def _pieces(name: str, shape, dtype, per_expert: bool, fp8: FP8Export | None):
+    """``[(disk name, disk shape, dtype, part, take)]`` for runtime tensor ``name``: ``part``
+    says which of the written values ``take`` cuts from (``"value"``, or an FP8 weight's
+    ``"data"`` and ``"scale"``)."""
+    form = converted_form(name, fp8.block) if fp8 is not None else None
+    if form is None:
+        return [
+            (d, s, dtype, "value", t) for d, s, t in on_disk(name, shape, per_expert=per_expert)
+        ]
+    data = [
+        (d, s, torch.float8_e4m3fn, "data", t) for d, s, t in on_disk(name, shape, per_expert=True)
+    ]
+    scales = on_disk(name, form.scale_shape(tuple(shape)), per_expert=True)
+    return data + [(f"{d}{SCALE_SUFFIX}", s, fp8.scale_dtype, "scale", t) for d, s, t in scales]
+
+
+def _values(name: str, full: torch.Tensor, fp8: FP8Export | None) -> dict[str, torch.Tensor]:
+    form = converted_form(name, fp8.block) if fp8 is not None else None
+    if form is None:
+        return {"value": full}
+    data, scale = quantize(full, form, scale_dtype=fp8.scale_dtype)
+    return {"data": data, "scale": scale}
+
+
 def export_hf(
     model: nn.Module,
     path: str | Path,
@@ -77,9 +120,11 @@ def export_hf(
     max_file_bytes: int = MAX_FILE_BYTES,
     per_expert: bool = False,
     dtype: torch.dtype | None = None,
+    fp8: FP8Export | None = None,
 ) -> None:
     """Every rank calls this (module docstring); returns when the directory is complete.
-    ``dtype``: the tensors' dtype on disk (default: the parameters')."""
+    ``dtype``: the tensors' dtype on disk (default: the parameters'); ``fp8``: the converted
+    weights in FP8 instead (:class:`FP8Export`)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -88,14 +133,14 @@ def export_hf(
     params = [
         (name, module, attr, param)
         for name, module, attr, param in named_parameters(model)
-        if not is_adapter(name)
+        if not is_adapter(name) and not name.endswith(SCALE_SUFFIX)
     ]
-    dtype = dtype or params[0][3].dtype
-    written = [on_disk(name, tuple(p.shape), per_expert=per_expert) for name, _, _, p in params]
+    dtype = dtype or next(p.dtype for *_, p in params if p.dtype != torch.float8_e4m3fn)
+    written = [_pieces(name, tuple(p.shape), dtype, per_expert, fp8) for name, _, _, p in params]
     entries = [
-        (disk, math.prod(shape) * dtype.itemsize)
-        for tensors in written
-        for disk, shape, _ in tensors
+        (disk, math.prod(shape) * kind.itemsize)
+        for pieces in written
+        for disk, shape, kind, _, _ in pieces
     ]
     plan = export_plan(entries, world, max_file_bytes)
     total = max((number for _, number in plan), default=0)
@@ -106,10 +151,12 @@ def export_hf(
         dist.barrier()
     pending: dict[str, torch.Tensor] = {}
     current = None
-    for (_, module, attr, param), tensors in zip(params, written, strict=True):
+    for (name, module, attr, param), pieces in zip(params, written, strict=True):
         full = merged(module, attr, full_tensor)
+        full = dequantized(module, attr, full_tensor) if full is None else full
         full = full_tensor(param) if full is None else full
-        for disk, _, take in tensors:
+        values = _values(name, full.detach(), fp8)
+        for disk, _, kind, part, take in pieces:
             owner, number = next(places)
             if owner != rank:
                 continue
@@ -119,7 +166,7 @@ def export_hf(
                 )
                 pending = {}
             current = number
-            pending[disk] = take(full).detach().to("cpu", dtype, copy=True).contiguous()
+            pending[disk] = take(values[part]).to("cpu", kind, copy=True).contiguous()
     if pending:
         save_file(pending, str(path / _file_name(current, total)), metadata={"format": "pt"})
     if rank == 0:
@@ -135,6 +182,8 @@ def export_hf(
         config = copy.deepcopy(model.config)
         config.architectures = [ARCHITECTURE]
         config.dtype = dtype
+        if fp8 is not None:
+            config.quantization_config = dict(fp8.quantization_config)
         config.save_pretrained(str(path))
     if dist.is_initialized():
         dist.barrier()

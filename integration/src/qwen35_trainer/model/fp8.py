@@ -28,9 +28,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_parallel import BlockFormat, FP8Weight, fp8_linear, quantize_experts
+from moe_parallel import BlockFormat, FP8Weight, dequantize, fp8_linear, quantize_experts
+from moe_parallel.fp8_experts import EXPERT_FP8
 
-__all__ = ["CONVERTED", "FP8_LAYERS", "FP8Linear", "base_linear", "hold_base_in_fp8", "is_fp8"]
+__all__ = [
+    "CONVERTED",
+    "FP8_LAYERS",
+    "FP8Linear",
+    "base_linear",
+    "converted_form",
+    "dequantized",
+    "hold_base_in_fp8",
+    "is_fp8",
+]
 
 # the projections held in FP8 (module name suffixes), in the layers of FP8_LAYERS
 CONVERTED = (
@@ -98,3 +108,30 @@ def hold_base_in_fp8(model: nn.Module, block: tuple[int, int]) -> list[str]:
             _convert(module, form)
             converted.append(name)
     return converted + quantize_experts(model, block)
+
+
+def converted_form(name: str, block: tuple[int, int]) -> BlockFormat | None:
+    """The block format of weight ``name`` (canonical) when Qwen's FP8 releases convert it
+    (module docstring), else ``None``: what an FP8 export quantizes."""
+    if not name.startswith(FP8_LAYERS):
+        return None
+    if name.endswith(tuple(f"{c}.weight" for c in CONVERTED)):
+        return BlockFormat(tuple(block))
+    for weight, (_, parts) in EXPERT_FP8.items():
+        if name.endswith(f".experts.{weight}"):
+            return BlockFormat(tuple(block), parts)
+    return None
+
+
+def dequantized(module: nn.Module, attr: str, full) -> torch.Tensor | None:
+    """The whole dequantized value (fp32) of ``module``'s FP8 weight ``attr``, or ``None``
+    when it is not one; ``full`` gathers a (sharded) parameter whole."""
+    form = getattr(module, "fp8_form", None)
+    if form is not None and attr == "weight":
+        return dequantize(full(module.weight), full(module.weight_scale_inv), form)
+    block = getattr(module, "fp8_block", None)
+    if block is None or attr not in EXPERT_FP8:
+        return None
+    scale, parts = EXPERT_FP8[attr]
+    form = BlockFormat(block, parts)
+    return dequantize(full(getattr(module, attr)), full(getattr(module, scale)), form)

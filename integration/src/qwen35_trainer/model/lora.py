@@ -28,7 +28,7 @@ from torch import nn
 
 from moe_parallel import LoRASpec, add_expert_lora
 from moe_parallel.moe import Experts
-from qwen35_trainer.model.fp8 import base_linear
+from qwen35_trainer.model.fp8 import base_linear, dequantized
 
 __all__ = ["LoRALinear", "add_lora", "is_adapter", "lora_spec", "merged", "store_frozen"]
 
@@ -84,7 +84,11 @@ def add_lora(model: nn.Module, lora) -> list[str]:
     adapted, unmatched = [], []
     for target in lora.targets:
         if target == "experts":
-            adapted += add_expert_lora(model, lora_spec(lora, experts=True))
+            # the decoder's experts only: the MTP head stays frozen, as its projections do
+            decoder = model.model.language_model
+            expert_spec = lora_spec(lora, experts=True)
+            found = add_expert_lora(decoder, expert_spec)
+            adapted += [f"model.language_model.{n}" for n in found]
             continue
         found = [
             (name, module)
@@ -123,14 +127,19 @@ def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
 
 def merged(module: nn.Module, attr: str, full: Callable[[torch.Tensor], torch.Tensor]):
     """The merged value of ``module``'s weight ``attr`` — ``W + s · B A`` (per expert for the
-    routed experts) — or ``None`` when it has no adapter; ``full`` gathers a (sharded)
-    parameter whole."""
+    routed experts; ``W`` dequantized when it is held in FP8) — or ``None`` when it has no
+    adapter; ``full`` gathers a (sharded) parameter whole."""
+
+    def base(name: str) -> torch.Tensor:
+        value = dequantized(module, name, full)
+        return full(getattr(module, name)) if value is None else value
+
     if isinstance(module, LoRALinear) and attr == "weight":
         delta = full(module.lora_B) @ full(module.lora_A)
-        return full(module.weight) + module.lora_scale * delta
+        return base("weight") + module.lora_scale * delta
     spec = module.lora_spec if isinstance(module, Experts) else None
     if spec is None or attr not in ("gate_up_proj", "down_proj"):
         return None
     part = "gate_up" if attr == "gate_up_proj" else "down"
     a, b = full(getattr(module, f"lora_{part}_A")), full(getattr(module, f"lora_{part}_B"))
-    return full(getattr(module, attr)) + spec.scale * torch.bmm(b, a)
+    return base(attr) + spec.scale * torch.bmm(b, a)

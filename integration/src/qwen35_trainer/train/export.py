@@ -44,6 +44,8 @@ from fsdp_compat import full_tensor
 from qwen35_trainer.data.demo import resolve
 from qwen35_trainer.model import build_training_model, export_hf
 from qwen35_trainer.model.adapter import CheckpointFiles, expert_layout
+from qwen35_trainer.model.export import FP8Export
+from qwen35_trainer.model.stored import SCALE_SUFFIX
 from qwen35_trainer.model.lora_export import LORA_FORMATS, write_adapter
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.recipe import ParallelRecipe, Recipe
@@ -62,7 +64,9 @@ __all__ = [
 logger = logging.getLogger("qwen35_trainer")
 
 EXPERT_LAYOUTS = ("source", "stacked", "per_expert")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "fp8")
+# what an FP8 export made from a bf16 checkpoint keeps in bf16 (as Qwen's FP8 releases do)
+NOT_CONVERTED = ["lm_head", "model.language_model.embed_tokens", "model.visual", "mtp.fc"]
 # what from_pretrained or a server could load as the folder's weights
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin*")
 
@@ -71,7 +75,9 @@ WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin
 class ExportOptions:
     """``overwrite``: replace the weights of a non-empty folder; ``experts``: ``source`` (the
     source checkpoint's layout, stacked without one), ``stacked`` or ``per_expert``;
-    ``dtype``: the tensors' dtype on disk (``None``: the source's, else the weights');
+    ``dtype``: the tensors' dtype on disk (``None``: the source's, else the weights'; ``fp8``:
+    the weights Qwen's FP8 releases convert in block-scaled FP8, the rest in the source's
+    dtype, bf16 without one);
     ``lora``: a LoRA run's format (``peft``, ``per_expert`` or ``merged``; ``None``: ``peft``)."""
 
     overwrite: bool = False
@@ -125,8 +131,33 @@ def _per_expert(recipe: Recipe, experts: str) -> bool:
 
 def _dtype(recipe: Recipe, dtype: str | None) -> torch.dtype | None:
     config = _source_config(recipe)
-    name = dtype or config.get("dtype") or config.get("torch_dtype")
+    name = dtype if dtype != "fp8" else None
+    name = name or config.get("dtype") or config.get("torch_dtype")
+    if dtype == "fp8":
+        name = name or "bfloat16"
     return getattr(torch, name) if name else None
+
+
+def _fp8_export(recipe: Recipe) -> FP8Export:
+    """The FP8 format of an export with ``dtype: fp8``: an FP8 source checkpoint's own (its
+    blocks, its scales' dtype, its ``quantization_config``), else ``model.fp8_block`` with fp32
+    scales."""
+    model = recipe.model
+    config = _source_config(recipe).get("quantization_config")
+    scale_dtype = torch.float32
+    if config is not None:
+        files = CheckpointFiles(model.weights_dir)
+        scales = [k for k in files.where if k.endswith(SCALE_SUFFIX)]
+        scale_dtype = torch.bfloat16 if scales and files.dtype(scales[0]) == "BF16" else scale_dtype
+    else:
+        config = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(model.block),
+            "modules_to_not_convert": NOT_CONVERTED,
+        }
+    return FP8Export(tuple(model.block), scale_dtype, config)
 
 
 def _processor_dir(recipe: Recipe) -> Path | None:
@@ -190,8 +221,14 @@ def export_model(
         notes.append(f"LoRA adapters ({fmt} layout, scales folded into B) for the base {base}")
     else:
         per_expert, dtype = _per_expert(recipe, options.experts), _dtype(recipe, options.dtype)
-        export_hf(model, out, per_expert=per_expert, dtype=dtype)
+        fp8 = _fp8_export(recipe) if options.dtype == "fp8" else None
+        export_hf(model, out, per_expert=per_expert, dtype=dtype, fp8=fp8)
         written = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+        if fp8 is not None:
+            written = (
+                f"FP8 e4m3 in blocks of {list(fp8.block)} with "
+                f"{str(fp8.scale_dtype).removeprefix('torch.')} scales (the rest {written})"
+            )
         layout = "per expert" if per_expert else "stacked"
         if options.experts == "source" and per_expert:
             layout += " (the source checkpoint's layout)"
