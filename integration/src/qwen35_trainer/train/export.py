@@ -45,8 +45,8 @@ from qwen35_trainer.data.demo import resolve
 from qwen35_trainer.model import build_training_model, export_hf
 from qwen35_trainer.model.adapter import CheckpointFiles, expert_layout
 from qwen35_trainer.model.export import FP8Export
-from qwen35_trainer.model.stored import SCALE_SUFFIX
 from qwen35_trainer.model.lora_export import LORA_FORMATS, write_adapter
+from qwen35_trainer.model.stored import SCALE_SUFFIX
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.recipe import ParallelRecipe, Recipe
 from qwen35_trainer.train.checkpoint import checkpoints_in, load_model_weights, newest_loadable
