@@ -9,7 +9,9 @@ the layout is validated). The packages decide the same way when the layers run
 (:func:`cp_varlen_attn.resolve_attention_backend` / :func:`cp_varlen_attn.resolve_gdn_backend` are
 the rules :func:`cp_varlen_attn.varlen_attention` / :func:`cp_varlen_attn.gated_delta_rule`
 apply, moe-parallel's ``te`` test is TransformerEngine importing on CUDA), so the report names what
-runs. On CUDA, ``auto`` falling back to a torch path is a WARNING naming the package to install
+runs. A frozen base held in FP8 (:mod:`qwen35_trainer.model.fp8`) adds its line: its blocks are
+dequantized per use and multiplied in the compute dtype; there is no FP8 GEMM path yet, and the
+report says so on every device. On CUDA, ``auto`` falling back to a torch path is a WARNING naming the package to install
 (:attr:`Kernels.fallbacks`): Qwen3.5 trains 2-4x slower without the fast kernels, and nothing
 else would say so.
 """
@@ -37,6 +39,11 @@ _NAMES = {
         "model.expert_backend",
         {"te": "TransformerEngine grouped GEMM", "torch": "torch grouped mm"},
         "transformer-engine[pytorch]",
+    ),
+    "frozen base": (
+        "model.base_dtype",
+        {"dequantize": "FP8 blocks dequantized per use, bf16/fp32 GEMM (no FP8 GEMM path yet)"},
+        "",
     ),
     "optimizer": (
         "train.optimizer",
@@ -102,11 +109,14 @@ def resolve_kernels(recipe: Any, device_type: str) -> Kernels:
             errors.append(f"{_NAMES[kind][0]}={asked}: {err}")
     if errors:
         raise ValueError("; ".join(errors))
+    if model.fp8_base:
+        chosen = {**chosen, "frozen base": "dequantize"}
     fallbacks = tuple(
         f"{_NAMES[kind][0]}=auto on CUDA runs the {_NAMES[kind][1][k]} (slow): install "
         f"{_NAMES[kind][2]} (pip install 'qwen35-trainer[gpu]') for the fast kernel"
         for kind, k in chosen.items()
         if cuda
+        and kind != "frozen base"
         and _asked(recipe, kind) == "auto"
         and k in ("torch", "adamw")
         and not (kind == "experts" and expert_lora)  # torch is the only path there

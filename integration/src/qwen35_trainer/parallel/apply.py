@@ -162,7 +162,8 @@ def model_refusals(parallel: Any, text_config: Any) -> list[str]:
 
 def lora_refusals(recipe: Any) -> list[str]:
     """Why ``model.lora`` cannot train with the recipe's layout (empty: it can, or no LoRA).
-    The layouts refused are those not yet proven against one process with adapters."""
+    The layouts refused are those not yet proven against one process with adapters (with a
+    base held in FP8: TP too)."""
     if recipe.model.lora is None:
         return []
     p, reasons = recipe.parallel, []
@@ -175,6 +176,14 @@ def lora_refusals(recipe: Any) -> list[str]:
         reasons.append(
             "model.lora with parallel.fsdp_backend=megatron is not built yet: megatron-fsdp "
             "holds frozen and trained parameters in one buffer; use parallel.fsdp_backend=fsdp2"
+        )
+    if recipe.model.fp8_base and p.tp > 1:
+        reasons.append(
+            "a frozen base held in FP8 (model.base_dtype=fp8, or LoRA on an FP8 checkpoint) "
+            "with parallel.tp > 1 is not built yet: TP would split each FP8 weight and its "
+            "block scales together (the Gated DeltaNet's fused in_proj_qkv by its heads' rows, "
+            "which need not fall on block boundaries); use parallel.tp=1 (EP, CP and FSDP "
+            "shard the FP8 base)"
         )
     return reasons
 

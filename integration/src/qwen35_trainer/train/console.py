@@ -23,6 +23,8 @@ def what_runs(recipe: Recipe, world: int, device: torch.device, kernels: Kernels
     p, training, data = recipe.parallel, recipe.train, recipe.data
     backend = "nccl" if device.type == "cuda" else "gloo"
     sharding = "FSDP2" if p.fsdp_backend == "fsdp2" else "megatron-fsdp"
+    if recipe.model.lora is not None and world == 1:  # see qwen35_trainer.parallel.apply
+        sharding = "unsharded (one LoRA process: no FSDP copies of the base)"
     tp_extras = ""
     if p.tp > 1:
         tp_extras = f"; sequence parallel {'on' if p.sp else 'off'}"
@@ -42,6 +44,9 @@ def what_runs(recipe: Recipe, world: int, device: torch.device, kernels: Kernels
         f"{'on' if training.deterministic else 'off'}; compiled blocks {compiled}",
         kernels.line(),
     ]
+    weights = _weights_line(recipe)
+    if weights:
+        lines.append(weights)
     if recipe.model.mtp_depth:
         lines.append(
             f"multi-token prediction: {recipe.model.mtp_depth} layer(s) (mtp.*), loss weight "
@@ -54,6 +59,27 @@ def what_runs(recipe: Recipe, world: int, device: torch.device, kernels: Kernels
         lines.append("data: the synthetic stream (no data.path)")
     lines.append(f"run folder: {training.output_dir or '(none)'}")
     return lines
+
+
+def _weights_line(recipe: Recipe) -> str | None:
+    """What the weights are held in when it is not simply the training dtype: a LoRA run's
+    frozen base (in FP8: as the checkpoint stores it or quantized on load), or an FP8
+    checkpoint dequantized for full fine-tuning."""
+    model, dtype = recipe.model, recipe.train.dtype
+    if model.fp8_base:
+        source = "as the checkpoint stores it" if model.quantization else "quantized on load"
+        return (
+            f"frozen base: FP8 e4m3 in blocks of {list(model.block)} ({source}), dequantized "
+            f"to {dtype} per projection as it runs; the LoRA adapters train in float32"
+        )
+    if model.lora is not None:
+        return f"frozen base: {dtype}; the LoRA adapters train in float32"
+    if model.quantization is not None:
+        return (
+            f"weights: the FP8 checkpoint dequantized into the float32 master weights (full "
+            f"fine-tuning; blocks of {list(model.block)})"
+        )
+    return None
 
 
 def quiet_cpu_notices() -> None:
