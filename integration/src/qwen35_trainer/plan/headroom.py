@@ -16,9 +16,13 @@ default, printed on its own line and changed with ``qwen35-train plan --headroom
 - ``fragmentation``: the caching allocator's reserve above the allocated peak — freed blocks
   of other sizes it keeps (variable-length all-to-all and vision rows make MoE-VLM training
   fragment), and the backward's transient copies the formulas do not model — as a fraction
-  of the counted peak. 0.5 is reserved / allocated = 1.5, the ratio MoE runs commonly report;
-  calibrate it from a first real step's ``torch.cuda.memory_reserved()`` over
-  ``max_memory_allocated()``.
+  of what is allocated and freed within a step: the counted peak less the parameters and the
+  optimizer state, which are allocated once and never freed, so they fragment nothing (a
+  frozen 70 GiB base adds no reserve). 1.0 — the allocator holding as much again as a step's
+  transient tensors — is calibrated on the one published measurement at hand: the 122B
+  recipe (the published run's layout) then predicts 61.3 GiB against the 60.55 GiB reported.
+  Calibrate it from a first real step: ``torch.cuda.memory_reserved()`` less the persistent
+  tensors, over ``max_memory_allocated()`` less them.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class Headroom:
     cuda_context_gib: float = 0.75
     cublas_gib: float = 0.25
     nccl_gib_per_group: float = 0.5
-    fragmentation: float = 0.5
+    fragmentation: float = 1.0
 
     @classmethod
     def parse(cls, items: list[str]) -> Headroom:
@@ -56,14 +60,14 @@ class Headroom:
             values[name] = value
         return cls(**values)
 
-    def terms(self, counted: int, groups: int) -> dict[str, int]:
-        """The bytes of each term for a rank whose counted tensors peak at ``counted`` bytes
-        and which joins ``groups`` process groups."""
+    def terms(self, transient: int, groups: int) -> dict[str, int]:
+        """The bytes of each term for a rank whose counted tensors allocated and freed within
+        a step peak at ``transient`` bytes and which joins ``groups`` process groups."""
         return {
             "cuda context": int(self.cuda_context_gib * GIB),
             "cuBLAS workspaces": int(self.cublas_gib * GIB),
             f"NCCL buffers ({groups} groups)": int(self.nccl_gib_per_group * GIB * groups),
-            "allocator reserve": int(self.fragmentation * counted),
+            "allocator reserve": int(self.fragmentation * transient),
         }
 
 

@@ -25,11 +25,19 @@ with a real run's saved tensors):
 - ``recompute``: the working set of ONE decoder block rebuilt in the backward: the mixer's
   projections, the MoE's routed rows (``k·S`` rows times the ``ROUTING_SKEW`` factor for the
   busiest EP rank) and the shared expert;
-- ``loss``: the chunked loss's fp32 gradients kept from the forward (``grad_hidden S·H·4`` and
-  ``grad_weight V·H·4``) plus one chunk's working set (chunked-loss's 256 MiB budget);
-- ``fsdp_buffers``: the largest unit unsharded in ``b`` twice (the running and the prefetched
-  unit) plus its unsharded fp32 gradient (of what trains); the root unit (embeddings,
-  ``lm_head``, merger) unsharded for the whole step with its fp32 gradients (of what trains);
+- ``loss``: the chunked loss's fp32 gradients kept from the forward (``grad_hidden S·H·4`` and,
+  when ``lm_head`` trains, ``grad_weight V·H·4``) plus one chunk's working set (chunked-loss's
+  256 MiB budget);
+- ``fsdp_buffers``: the largest unit unsharded twice (the running and the prefetched unit) —
+  each parameter in ``b`` when FSDP casts it for the compute (full fine-tuning), in its own
+  storage dtype when it does not (LoRA: a bf16 or FP8 base, fp32 adapters) — plus its
+  unsharded fp32 gradient (of what trains); the root unit (embeddings, ``lm_head``, merger)
+  unsharded for the whole step with its fp32 gradients (of what trains). One LoRA process
+  is not sharded at all (:func:`qwen35_trainer.parallel.parallelize`): nothing;
+- ``dequantized``: a base held in FP8 (:mod:`qwen35_trainer.model.fp8`) is dequantized one
+  weight at a time as it runs: the largest such weight on this rank (a layer's local experts'
+  ``gate_up_proj``) in ``b``, plus the dequantization's two fp32 temporaries of at most
+  :data:`moe_parallel.fp8.CHUNK_ELEMENTS` elements;
 - ``cp_buffers``: full attention's K/V of the whole row gathered over CP (``L_full · T ·
   2·kv·hd · b`` for one layer at a time) and the Gated DeltaNet's passed state (fp32);
 - ``vision``: the merged image features of the whole row gathered over CP (``T_img · H · b``);
@@ -83,6 +91,7 @@ class Memory:
     fsdp_buffers: int
     cp_buffers: int
     vision: int
+    dequantized: int = 0
 
     @property
     def peak(self) -> int:
@@ -111,6 +120,27 @@ def _unit_numel(unit: nn.Module, ep: int, *, trained: bool = False) -> int:
         for name, p in unit.named_parameters()
         if p.requires_grad or not trained
     )
+
+
+def _unit_bytes(unit: nn.Module, ep: int, cast: int | None) -> int:
+    """A unit's bytes unsharded by FSDP: each parameter in ``cast`` bytes when FSDP casts it
+    for the compute, else in its storage dtype."""
+    return sum(
+        math.prod(p.shape) // (ep if "experts." in name else 1) * (cast or p.dtype.itemsize)
+        for name, p in unit.named_parameters()
+    )
+
+
+def _dequantized(model: nn.Module, b: int) -> int:
+    """The largest FP8 weight of this rank dequantized in ``b`` bytes, plus the two fp32
+    temporaries of one dequantized slice (module docstring); 0 without an FP8 base."""
+    from moe_parallel.fp8 import CHUNK_ELEMENTS
+
+    largest = max(
+        (_local_numel(p) for _, _, _, p in named_parameters(model) if p.dtype.itemsize == 1),
+        default=0,
+    )
+    return largest * b + 2 * min(largest, CHUNK_ELEMENTS) * 4
 
 
 def _block_working_set(text, s: int, ep_rows: float, b: int, full: bool) -> int:
@@ -156,8 +186,19 @@ def _mtp_saved(text, shape: Shape, *, checkpointing: bool) -> int:
     return depth * (layer + 2 * s * h * b + 6 * s * h * 4)
 
 
-def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) -> Memory:
-    """This rank's :class:`Memory` (module docstring); ``units``: the FSDP unit modules."""
+def memory(
+    model: nn.Module,
+    dims,
+    shape: Shape,
+    *,
+    checkpointing: bool,
+    units,
+    fsdp_cast: bool = True,
+    sharded: bool = True,
+) -> Memory:
+    """This rank's :class:`Memory` (module docstring); ``units``: the FSDP unit modules;
+    ``fsdp_cast``: FSDP casts the parameters to the compute dtype (full fine-tuning; a LoRA
+    run's base is stored in it already); ``sharded``: FSDP wraps the model at all."""
     text, vision = model.config.text_config, model.config.vision_config
     b, s = shape.compute_bytes, shape.tokens
     params = parameter_bytes(model)
@@ -179,18 +220,22 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
         saved += vision.depth * shape.patches * (6 * vh + 2 * vision.intermediate_size) * b
     saved += _mtp_saved(text, shape, checkpointing=checkpointing)
     recompute = max(_block_working_set(text, s, ROUTING_SKEW, b, full) for full in (False, True))
-    loss = s * h * 4 + text.vocab_size * h * 4 + LOSS_CHUNK_BYTES
+    head_trains = model.lm_head.weight.requires_grad  # a LoRA run's lm_head is frozen
+    loss = s * h * 4 + text.vocab_size * h * 4 * head_trains + LOSS_CHUNK_BYTES
+    cast = b if fsdp_cast else None
     unit = max(
         (
-            2 * _unit_numel(u, dims.ep) * b + _unit_numel(u, dims.ep, trained=True) * 4
+            2 * _unit_bytes(u, dims.ep, cast) + _unit_numel(u, dims.ep, trained=True) * 4
             for u in units
         ),
         default=0,
     )
     covered = {id(p) for u in units for p in u.parameters()}
     outside = [p for p in model.parameters() if id(p) not in covered]
-    root = sum(math.prod(p.shape) * (b + 4 * p.requires_grad) for p in outside)
-    fsdp = unit + root
+    root = sum(
+        math.prod(p.shape) * ((cast or p.dtype.itemsize) + 4 * p.requires_grad) for p in outside
+    )
+    fsdp = unit + root if sharded else 0
     cp = 0
     if dims.cp > 1:
         kv = 2 * text.num_key_value_heads * text.head_dim * b
@@ -198,5 +243,14 @@ def memory(model: nn.Module, dims, shape: Shape, *, checkpointing: bool, units) 
         cp = (shape.row_tokens * kv if full_layers else 0) + 2 * state * 4
     gathered = shape.image_tokens * h * b if dims.cp > 1 else 0
     return Memory(
-        params, trained, 2 * fp32_trained + 4 * tensors, saved, recompute, loss, fsdp, cp, gathered
+        params,
+        trained,
+        2 * fp32_trained + 4 * tensors,
+        saved,
+        recompute,
+        loss,
+        fsdp,
+        cp,
+        gathered,
+        _dequantized(model, b),
     )

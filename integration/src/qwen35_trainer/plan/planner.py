@@ -60,10 +60,16 @@ class Plan:
         return max(m.peak for m in self.ranks.values()) / GIB
 
     @property
+    def transient_gib(self) -> float:
+        """Of the counted peak, what is allocated and freed within a step (all but the
+        parameters and the optimizer state), the larger rank's."""
+        return max(m.peak - m.parameters - m.optimizer for m in self.ranks.values()) / GIB
+
+    @property
     def headroom_terms(self) -> dict[str, int]:
         """What the GPU holds beyond the counted tensors (:mod:`.headroom`), in bytes."""
-        counted = max(m.peak for m in self.ranks.values())
-        return self.headroom.terms(counted, process_groups(self.layout))
+        transient = max(m.peak - m.parameters - m.optimizer for m in self.ranks.values())
+        return self.headroom.terms(transient, process_groups(self.layout))
 
     @property
     def peak_gib(self) -> float:
@@ -88,6 +94,7 @@ class Plan:
             "communication_bytes_per_step": self.communication,
             "routing_skew": ROUTING_SKEW,
             "counted_peak_gib": self.counted_gib,
+            "transient_gib": self.transient_gib,
             "headroom_gib": {k: v / GIB for k, v in self.headroom_terms.items()},
             "predicted_peak_gib": self.peak_gib,
             "gpu_memory_gib": self.gpu_memory_gib,
@@ -96,13 +103,19 @@ class Plan:
 
 
 def row_shape(recipe, cp: int) -> Shape:
-    """Tokens and patches of the recipe's largest row, and this rank's part of it."""
+    """Tokens and patches of the recipe's largest sequence, and this rank's part of it: the
+    synthetic stream's row of ``pack_length``, or a dataset's packed rows of one micro-batch
+    (``global_batch`` / data-parallel groups / ``grad_accum_steps`` of them, packed as one
+    sequence by :func:`qwen35_trainer.data.feed.row_micro_batches`)."""
     data, vision = recipe.data, recipe.model.vision
     merge = vision.get("spatial_merge_size", 2) ** 2
     patches = max(t * h * w for t, h, w in data.image_grids) * data.images_per_sample
     frames = max(t for t, _, _ in data.image_grids) * data.images_per_sample
     n = data.samples_per_rank
     row = data.pack_length or n * max_sample_tokens(recipe.model, data)
+    if data.dataset:  # a dataset's rows of one rank and micro-batch run as one sequence
+        groups = recipe.parallel.dp_replicate * recipe.parallel.dp
+        row *= data.rows_per_step(groups) // groups // recipe.train.grad_accum_steps
     local_frames = math.ceil(n * frames / cp)
     return Shape(
         tokens=math.ceil(row / cp) if data.packing else row,
@@ -155,8 +168,15 @@ def _rank_plan(recipe, dims: ParallelDims, rank: int):
             m for m in model.modules() if any(c.__name__ in FSDP_UNITS for c in type(m).__mro__)
         ]
         shape = row_shape(recipe, dims.cp)
+        lora = recipe.model.lora is not None
         mem = memory(
-            model, dims, shape, checkpointing=recipe.train.activation_checkpointing, units=units
+            model,
+            dims,
+            shape,
+            checkpointing=recipe.train.activation_checkpointing,
+            units=units,
+            fsdp_cast=not lora,  # a LoRA run's base is stored in the compute dtype (or FP8)
+            sharded=not (lora and world == 1),  # one LoRA process: no FSDP
         )
         counts = [0, 0, 0]  # total, routed experts, MTP head
         for name, _, _, param in named_parameters(model):
