@@ -189,7 +189,12 @@ def _replay_main(argv: list[str]) -> int:
 def _plan_main(argv: list[str]) -> int:
     """``qwen35-train plan RECIPE``: the plan's table (:mod:`qwen35_trainer.plan`); exit 0 when
     the predicted peak fits ``--gpu-memory``, 3 when it does not, 2 for a recipe or layout that
-    cannot run."""
+    cannot run. ``qwen35-train plan --sizes``: the GPUs each public size fine-tunes on."""
+    if argv == ["--sizes"]:
+        from qwen35_trainer.plan.sizes import size_table
+
+        print(size_table())
+        return 0
     parser = argparse.ArgumentParser(
         prog="qwen35-train plan",
         description="Memory and communication per GPU of a recipe, on a fake world (CPU only).",
