@@ -9,7 +9,8 @@ parameter:
 - from full-precision values — a bf16 checkpoint, or the name-seeded initialisation — quantized
   on load (:func:`quantized_reader`, :func:`moe_parallel.quantize`: per block ``amax / 448``).
   A 2-D weight's rows ``lo:hi`` are quantized from the whole block rows around them, and its
-  scale rows ``lo:hi`` are block rows ``lo:hi``; the experts' rows are whole experts. So every
+  scale rows ``lo:hi`` are block rows ``lo:hi``; the experts' rows are whole experts, read and
+  quantized one at a time (the fp32 temporaries of one expert, not of a layer's). So every
   shard holds the bytes and scales quantizing the whole tensor would give.
 """
 
@@ -59,11 +60,12 @@ def quantized_reader(values: RowReader, role: FP8Role) -> RowReader:
     """Rows of the FP8 bytes (or, for ``role.scale``, of the scales) of the weight whose
     full-precision rows ``values`` reads (module docstring)."""
     form, shape = role.form, role.shape
-    if len(shape) == 3:  # stacked experts: rows are whole matrices
+    if len(shape) == 3:  # stacked experts: rows are whole matrices, quantized one at a time
 
         def experts(lo: int, hi: int) -> torch.Tensor:
-            data, scale = quantize(values(lo, hi), form)
-            return scale if role.scale else data
+            if hi <= lo:
+                return quantize(values(lo, hi), form)[role.scale]
+            return torch.cat([quantize(values(e, e + 1), form)[role.scale] for e in range(lo, hi)])
 
         return experts
     bo = form.block[0]

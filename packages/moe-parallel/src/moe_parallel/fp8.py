@@ -108,6 +108,19 @@ def _expand(scale_nbc: torch.Tensor, block: tuple[int, int], rows: int, cols: in
     return scale_nbc.repeat_interleave(bo, 1)[:, :rows].repeat_interleave(bi, 2)[:, :, :cols]
 
 
+def _scale_(piece_nrc: torch.Tensor, scale_nbc: torch.Tensor, block: tuple[int, int]) -> None:
+    """Multiply fp32 ``piece_nrc`` [n, rows, cols] (whole block rows from a block boundary) by
+    its blocks' scales, in place: broadcast over each block when the blocks tile it, else
+    with the scales repeated over the edge blocks."""
+    n, rows, cols = piece_nrc.shape
+    bo, bi = block
+    if rows % bo == 0 and cols % bi == 0:
+        blocks = piece_nrc.view(n, rows // bo, bo, cols // bi, bi)
+        blocks.mul_(scale_nbc[:, :, None, :, None])
+    else:
+        piece_nrc.mul_(_expand(scale_nbc, block, rows, cols))
+
+
 def dequantize(
     data: torch.Tensor,
     scale: torch.Tensor,
@@ -115,7 +128,8 @@ def dequantize(
     *,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``float32(data) · scale`` blockwise (module docstring), rounded once to ``dtype``."""
+    """``float32(data) · scale`` blockwise (module docstring), rounded once to ``dtype``; one
+    fp32 slice of at most ``CHUNK_ELEMENTS`` at a time is the only temporary."""
     expected = form.scale_shape(tuple(data.shape))
     if tuple(scale.shape) != expected:
         raise ValueError(
@@ -134,8 +148,8 @@ def dequantize(
     for m in range(0, n, matrices):
         for b in range(0, -(-rows // bo), block_rows):
             r0, r1 = b * bo, min((b + block_rows) * bo, rows)
-            s = _expand(scale_nbc[m : m + matrices, b : b + block_rows], form.block, r1 - r0, cols)
-            piece = data_nrc[m : m + matrices, r0:r1].float() * s
+            piece = data_nrc[m : m + matrices, r0:r1].float()
+            _scale_(piece, scale_nbc[m : m + matrices, b : b + block_rows], form.block)
             out_nrc[m : m + matrices, r0:r1] = piece
     return out
 
