@@ -1,6 +1,6 @@
 """The assembled trainer on GPUs (``nox -s gpu`` on a lent device; skipped without CUDA): the
 kernel report names the fast kernels the ``gpu`` extra brings, LoRA trains on CUDA with the
-experts' adapters on the torch grouped path, async TP (2 GPUs: TP 2 with
+experts' adapters on the torch grouped path (and on an FP8 base: the dequantize path), async TP (2 GPUs: TP 2 with
 sequence parallelism, compiled blocks) fuses its collectives into the matmuls and trains the same
 losses as async TP off, and megatron-fsdp (2 GPUs: real CUDA streams and NCCL, which the CPU
 parity tests stand in for) trains the same step as FSDP2."""
@@ -53,6 +53,26 @@ def test_lora_trains_on_cuda_with_the_experts_on_the_torch_grouped_path():
     assert all(
         p.requires_grad == (".lora" in n) for n, p in adapted.objective.model.named_parameters()
     )
+
+
+def test_lora_on_an_fp8_base_trains_on_cuda_and_the_report_says_dequantize():
+    """LoRA in bf16 on one GPU with the base quantized on load to FP8: the kernel report names
+    the dequantize path (no FP8 GEMM path is built) without a fallback warning, the first loss
+    is the bf16 base's to the quantization's error, only the adapters train."""
+    lora = ("model.lora.rank=8", "train.dtype=bfloat16", "train.steps=2")
+    recipe = tiny(*lora, "model.base_dtype=fp8", "model.fp8_block=[16, 16]")
+    chosen = resolve_kernels(recipe, "cuda")
+    assert chosen.record()["frozen base"] == "dequantize" and chosen.fallbacks == ()
+    assert "no FP8 GEMM path" in chosen.line()
+    from qwen35_trainer import train
+
+    base = train(tiny(*lora, "train.steps=1"))
+    adapted = train(recipe)
+    assert abs(adapted.logs[0].loss - base.logs[0].loss) <= 0.02 * base.logs[0].loss
+    assert math.isfinite(adapted.logs[-1].loss)
+    model = adapted.objective.model
+    assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
+    assert all(p.requires_grad == (".lora" in n) for n, p in model.named_parameters())
 
 
 def _two_rank_run(out, *overrides: str) -> tuple[list[float], str]:

@@ -57,8 +57,9 @@ MTP_ON = ("data.packing=true", "model.mtp_layers=1")
 # LoRA (model.lora): adapters on every projection and the routed experts (their own rank),
 # alpha != rank (a scale of 16, so 3 steps at the tiny recipe's lr learn); everything else frozen
 LORA = ("model.lora.rank=4", "model.lora.alpha=64", "model.lora.expert_rank=8")
-# the same adapters on the FP8 checkpoint written by the ``fp8_base`` fixture
-FP8_BASE = ("model.path={fp8}", *LORA)
+# adapters on the FP8 checkpoint written by the ``fp8_base`` fixture (rank 8: on this base the
+# rank-4 run with the MTP head does not learn in 3 steps)
+FP8_BASE = ("model.path={fp8}", *LORA, "model.lora.rank=8")
 
 # name -> (overrides, reference variant, world sizes). {world}, {half}, {rows}, {export} are
 # filled per launch; a reference variant is the one-process run with the same data and options.

@@ -97,3 +97,30 @@ def test_te_backend_zero_token_expert_over_repeated_steps():
             assert_close(p.grad.float(), q.grad.float(), rtol=5e-2, atol=2e-2, name=name)
         assert torch.count_nonzero(te_moe.experts.gate_up_proj.grad[7]) == 0
         assert torch.count_nonzero(te_moe.experts.down_proj.grad[7]) == 0
+
+
+def test_fp8_experts_on_cuda_equal_the_dequantized_loop_in_bf16():
+    """Frozen FP8 experts on CUDA (the dequantize path: there is no FP8 GEMM path yet) in bf16
+    against the fp32 loop over the dequantized weights: bf16 tolerance forward and backward,
+    the FP8 bytes (never a dequantized weight) saved for the backward."""
+    from moe_parallel import BlockFormat, FP8Weight, dequantize, quantize
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    counts = torch.tensor([40, 0, 17, 71], device="cuda")
+    x = torch.randn(128, 256, device="cuda", generator=g)
+    forms = BlockFormat((128, 128), 2), BlockFormat((128, 128))
+    weights = [0.02 * torch.randn(4, 256, 256, device="cuda", generator=g) for _ in forms]
+    fp8 = [FP8Weight(*quantize(w, f), f) for w, f in zip(weights, forms, strict=True)]
+    dense = [dequantize(w.data, w.scale, w.form) for w in fp8]
+    x_bf16 = x.bfloat16().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = expert_swiglu(x_bf16, counts, *fp8, backend="torch")
+    assert not [t for t in saved if t.shape == (4, 256, 256) and t.dtype != torch.float8_e4m3fn]
+    x_ref = x.clone().requires_grad_()
+    want = _loop_ref(x_ref, counts, *dense)
+    assert_close(y.float(), want, rtol=2e-2, atol=2e-2, name="fp8 output")
+    g_out = torch.randn(want.shape, device="cuda", generator=g)
+    (gx,) = torch.autograd.grad(y, x_bf16, g_out.bfloat16())
+    (gx_ref,) = torch.autograd.grad(want, x_ref, g_out)
+    assert_close(gx.float(), gx_ref, rtol=2e-2, atol=2e-2, name="fp8 x.grad")
