@@ -16,6 +16,11 @@ Both load. On export (:func:`on_disk`) the decoder's experts are written stacked
 (the source checkpoint's layout, :func:`expert_layout`, unless asked otherwise), the MTP
 head's always per expert: the public checkpoints' layout, which the servers' MTP loaders read.
 
+An FP8 checkpoint (Qwen's releases) stores its converted weights as float8_e4m3fn with a
+``…weight_scale_inv`` beside each (the per-expert ones too); the map is the same, the scales
+travel with their weights, and every on-disk tensor's dtype is checked before anything is read
+(:mod:`qwen35_trainer.model.stored`).
+
 Multi-token-prediction tensors (``mtp.*``) load like the rest when the model has its MTP head
 (:mod:`qwen35_trainer.model.mtp`); a model without one (``model.mtp_layers: 0``) reports and
 skips them (``skipped``). :class:`CheckpointFiles` reads tensors through the safetensors library (no pickle),

@@ -24,6 +24,11 @@ the same program as every layout) and applies, in place:
 - FSDP2 (:func:`fsdp_compat.shard_model`): dense parameters sharded over ``dp_shard × cp`` and
   replicated over ``dp_replicate`` (HSDP), experts over the expert mesh's ``efsdp`` (and
   ``dp_replicate``), the units being the decoder layers and vision blocks, named explicitly;
+  with ``train.dtype: bfloat16`` FSDP2 casts the parameters for the compute, except under
+  ``model.lora``: the frozen base is stored in the compute dtype (or FP8, which a cast would
+  turn into bf16 bytes) and the adapters cast themselves, so FSDP gathers every parameter as
+  stored, and one LoRA process is not wrapped at all (its unsharded copies would only
+  duplicate the base);
   or, with ``parallel.fsdp_backend: megatron``, megatron-fsdp over ``dp_shard × cp`` with the
   same units and SUM reductions (HSDP over ``dp_replicate``), the meta model materialised one
   unit at a time as it shards (:mod:`qwen35_trainer.parallel.megatron`: what differs and how
