@@ -9,10 +9,11 @@ from torch.distributed.fsdp import FSDPModule
 from qwen35_trainer import train
 
 
-def _unit_bytes(model) -> set[int]:
+def _unit_bytes(model, trained_bytes: int) -> set[int]:
     """What one all-gather of each FSDP unit of ``model`` (sharded over more than one rank)
-    carries if every parameter travels in its storage dtype (FP8 one byte, the scales and
-    adapters four): the padded shards of its parameters (FSDP2's own shard sizes), times the
+    carries if every frozen parameter travels in its storage dtype (FP8 one byte, the scales
+    four, the rest of the base as stored) and every trained one in ``trained_bytes`` (the
+    compute dtype): the padded shards of its parameters (FSDP2's own shard sizes), times the
     shard group's size."""
     sizes = set()
     for module in model.modules():
@@ -22,7 +23,8 @@ def _unit_bytes(model) -> set[int]:
         if group is None or group.mesh_info.shard_mesh_size == 1:  # nothing to gather
             continue
         shard = sum(
-            p.padded_sharded_param_size.numel() * p.sharded_param.dtype.itemsize
+            p.padded_sharded_param_size.numel()
+            * (trained_bytes if p.sharded_param.requires_grad else p.sharded_param.dtype.itemsize)
             for p in group.fsdp_params
         )
         sizes.add(shard * group.mesh_info.shard_mesh_size)
@@ -32,9 +34,9 @@ def _unit_bytes(model) -> set[int]:
 def check_fp8_equals_one_process(overrides, reference_logs, reference_state, compare=None) -> None:
     """The FP8-base LoRA layout ``overrides`` equals one process (its loss, CE, aux loss and
     gradient norm per step, and the parameters — the FP8 bytes and scales unchanged), and
-    FSDP all-gathers each unit in its storage dtypes: every gather carries one unit's FP8
-    bytes, fp32 scales and adapters (no bf16 or fp32 copy of an FP8 weight), and every unit is
-    gathered."""
+    FSDP all-gathers each unit with its frozen parameters as stored: every gather carries one
+    unit's FP8 bytes and scales as they are and its adapters in the compute dtype (no bf16 or
+    fp32 copy of an FP8 weight), and every unit is gathered."""
     gathered: list[int] = []
     original = dist.all_gather_single
 
@@ -47,7 +49,8 @@ def check_fp8_equals_one_process(overrides, reference_logs, reference_state, com
         result = train(layout_recipe(dist.get_world_size(), *overrides))
     finally:
         dist.all_gather_single = original
-    units = _unit_bytes(result.objective)
+    recipe = layout_recipe(dist.get_world_size(), *overrides)
+    units = _unit_bytes(result.objective, 2 if recipe.train.dtype == "bfloat16" else 4)
     assert units and set(gathered) == units, (sorted(set(gathered)), sorted(units))
     state = result.objective.model.state_dict()
     assert_same_run(result.logs, reference_logs, state, reference_state, **(compare or {}))

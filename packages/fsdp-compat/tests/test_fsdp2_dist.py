@@ -319,23 +319,26 @@ def check_dcp_roundtrip(path: str) -> None:
 
 
 def check_frozen_fp8_gathered_as_bytes() -> None:
-    """A frozen float8 weight (FP8 bytes + fp32 block scales) beside an fp32 trainable one,
-    without casts: FSDP2 all-gathers the unit's bytes (float8 one byte each: gloo has no
-    float8, the mixed-dtype group travels as uint8) and the unit's forward sees the whole
-    weight; ``full_tensor`` rebuilds the float8 weight bit for bit (as bytes)."""
+    """A frozen float8 weight (FP8 bytes + fp32 block scales) beside an fp32 trainable one
+    under bf16 mixed precision with ``keep_dtype`` = frozen: FSDP2 all-gathers the FP8 bytes
+    and the fp32 scales as stored and the trained weight in bf16 (one uint8 buffer: gloo has no
+    float8), and the unit's forward sees the whole weight; without ``keep_dtype`` every
+    parameter travels in bf16 (the FP8 bytes as bf16 values: twice the bytes).
+    ``full_tensor`` rebuilds the float8 weight bit for bit (as bytes)."""
     torch.manual_seed(0)
     weight = torch.randn(6, 4).to(torch.float8_e4m3fn)
+    adapter = torch.randn(3, 4)
 
     class Frozen8(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
             self.scale = torch.nn.Parameter(torch.full((2, 1), 0.5), requires_grad=False)
-            self.adapter = torch.nn.Parameter(torch.randn(3, 4))
+            self.adapter = torch.nn.Parameter(adapter.clone())
 
         def forward(self, x):
             dense = self.weight.float() * self.scale.repeat_interleave(3, 0)
-            return (x @ dense.T).sum() + (x @ self.adapter.T).sum()
+            return (x.float() @ dense.T).sum() + (x @ self.adapter.T).float().sum()
 
     class Outer(torch.nn.Module):
         _no_split_modules = ("Frozen8",)
@@ -347,34 +350,42 @@ def check_frozen_fp8_gathered_as_bytes() -> None:
         def forward(self, x):
             return self.unit(x)
 
-    model = shard_model(Outer(), _dp_cp_mesh(), shard_dims=("dp", "cp"))
-    gathered = []
-    original = dist.all_gather_single
+    def gathered_bytes(keep):
+        precision = MixedPrecision(param_dtype=torch.bfloat16, keep_dtype=keep)
+        model = shard_model(Outer(), _dp_cp_mesh(), shard_dims=("dp", "cp"),
+                            mixed_precision=precision)  # fmt: skip
+        sizes = []
+        original = dist.all_gather_single
 
-    def recorded(out, inp, *args, **kwargs):
-        gathered.append((out.dtype, out.numel()))
-        return original(out, inp, *args, **kwargs)
+        def recorded(out, inp, *args, **kwargs):
+            sizes.append((out.dtype, out.numel()))
+            return original(out, inp, *args, **kwargs)
 
-    dist.all_gather_single = recorded
-    try:
-        x = torch.ones(2, 4)
-        out = model(x)
-        out.backward()
-    finally:
-        dist.all_gather_single = original
+        dist.all_gather_single = recorded
+        try:
+            x = torch.ones(2, 4)
+            out = model(x)
+            out.backward()
+        finally:
+            dist.all_gather_single = original
+        return model, x, out, sizes
+
     world = dist.get_world_size()
-    assert gathered and all(dtype == torch.uint8 for dtype, _ in gathered), gathered
-    # 24 FP8 bytes + 2 fp32 scales + 12 fp32 adapter elements, each padded to world rows
-    padded = sum(-(-rows // world) * world * cols * size for rows, cols, size in
-                 ((6, 4, 1), (2, 1, 4), (3, 4, 4)))  # fmt: skip
-    assert gathered[0][1] == padded, (gathered, padded)
-    adapter = fsdp_compat.full_tensor(model.unit.adapter)
-    want = (x @ (weight.float() * 0.5).T).sum() + (x @ adapter.detach().T).sum()
-    assert_close(out.detach(), want)
+
+    def padded(*params):  # rows padded to the world, times columns and bytes per element
+        return sum(-(-rows // world) * world * cols * size for rows, cols, size in params)
+
+    model, x, out, sizes = gathered_bytes(lambda p: not p.requires_grad)
+    # the unit gathered for the forward and again for the backward, the same bytes each time
+    assert set(sizes) == {(torch.uint8, padded((6, 4, 1), (2, 1, 4), (3, 4, 2)))}, sizes
+    want = (x @ (weight.float() * 0.5).T).sum() + (x.bfloat16() @ adapter.bfloat16().T).sum()
+    assert_close(out.detach(), want.float())
     assert model.unit.adapter.grad is not None
     full = fsdp_compat.full_tensor(model.unit.weight)
     assert full.dtype == torch.float8_e4m3fn
     assert torch.equal(full.view(torch.uint8), weight.view(torch.uint8))
+    _, _, _, cast = gathered_bytes(None)
+    assert set(cast) == {(torch.bfloat16, padded((6, 4, 1), (2, 1, 1), (3, 4, 1)))}, cast
 
 
 def check_bad_inputs() -> None:

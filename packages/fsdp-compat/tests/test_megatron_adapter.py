@@ -281,6 +281,15 @@ def test_mixed_precision_mapping_errors():
     }
     with pytest.raises(TypeError, match=r"floating torch\.dtype"):
         MixedPrecision(reduce_dtype=torch.int32)
+    keep = MixedPrecision(param_dtype=torch.bfloat16, keep_dtype=lambda p: not p.requires_grad)
+    with pytest.raises(ValueError, match=r"keep_dtype .* is an FSDP2 option"):
+        keep.megatron_fields({torch.bfloat16})
+    override = keep.to_fsdp2().param_dtype_override_fn
+    frozen = torch.nn.Parameter(torch.zeros(2, dtype=torch.float8_e4m3fn), requires_grad=False)
+    assert override(frozen) == torch.float8_e4m3fn  # gathered as stored
+    assert override(torch.nn.Parameter(torch.zeros(2))) is None  # cast to param_dtype
+    with pytest.raises(TypeError, match="keep_dtype must be a callable"):
+        MixedPrecision(keep_dtype=True)
 
 
 def _free_port() -> int:

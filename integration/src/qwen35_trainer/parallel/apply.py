@@ -24,11 +24,10 @@ the same program as every layout) and applies, in place:
 - FSDP2 (:func:`fsdp_compat.shard_model`): dense parameters sharded over ``dp_shard × cp`` and
   replicated over ``dp_replicate`` (HSDP), experts over the expert mesh's ``efsdp`` (and
   ``dp_replicate``), the units being the decoder layers and vision blocks, named explicitly;
-  with ``train.dtype: bfloat16`` FSDP2 casts the parameters for the compute, except under
-  ``model.lora``: the frozen base is stored in the compute dtype (or FP8, which a cast would
-  turn into bf16 bytes) and the adapters cast themselves, so FSDP gathers every parameter as
-  stored, and one LoRA process is not wrapped at all (its unsharded copies would only
-  duplicate the base);
+  with ``train.dtype: bfloat16`` FSDP2 casts what trains for the compute and gathers what is
+  frozen as stored (a LoRA run's base is stored in the compute dtype, or FP8, which a cast
+  would turn into bf16 bytes), and one LoRA process is not wrapped at all (its unsharded
+  copies would only duplicate the base; the adapters cast themselves);
   or, with ``parallel.fsdp_backend: megatron``, megatron-fsdp over ``dp_shard × cp`` with the
   same units and SUM reductions (HSDP over ``dp_replicate``), the meta model materialised one
   unit at a time as it shards (:mod:`qwen35_trainer.parallel.megatron`: what differs and how
@@ -263,9 +262,7 @@ def parallelize(
         objective,
         meshes,
         activation_checkpointing=recipe.train.activation_checkpointing,
-        # LoRA: the frozen base is stored in the compute dtype (or FP8) and the adapters cast
-        # themselves, so FSDP casts nothing (it would turn FP8 bytes into bf16 ones)
-        param_dtype=torch.bfloat16 if bf16 and not lora else None,
+        param_dtype=torch.bfloat16 if bf16 else None,
         # one LoRA process: no FSDP, whose unsharded copies would only duplicate the base
         fsdp=not (lora and dims.world == 1),
         sequence_parallel=dims.sp,
@@ -304,6 +301,10 @@ def check_tp_heads(text_config, tp: int) -> None:
         )
 
 
+def _frozen(param: torch.nn.Parameter) -> bool:
+    return not param.requires_grad
+
+
 def apply_parallelism(
     objective: torch.nn.Module,
     meshes: Meshes,
@@ -323,8 +324,9 @@ def apply_parallelism(
     ``filler()``, :func:`qwen35_trainer.parallel.megatron.shard_megatron`), in
     place, on ``meshes``; ``fsdp=False`` leaves the parameters unsharded (one process).
 
-    ``param_dtype``: FSDP2's compute dtype (bf16), with fp32 sharded (master) parameters and
-    fp32 gradient reduction; ``None`` computes in the parameters' dtype."""
+    ``param_dtype``: FSDP2's compute dtype (bf16) for what trains, with fp32 sharded (master)
+    parameters and fp32 gradient reduction; frozen parameters are gathered and computed as
+    stored; ``None`` computes in the parameters' dtype."""
     dims, model = meshes.dims, objective.model
     sp = sequence_parallel and dims.tp > 1
     if dims.tp > 1:
@@ -369,7 +371,9 @@ def apply_parallelism(
         return
     mp = None
     if param_dtype is not None:
-        mp = MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        # what is frozen is gathered as stored: in the compute dtype already (a LoRA run's base,
+        # store_frozen), or FP8, which a cast would turn into bf16 bytes
+        mp = MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32, keep_dtype=_frozen)
     shard_model(
         objective,
         meshes.dense,

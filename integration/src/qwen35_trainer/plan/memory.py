@@ -29,8 +29,8 @@ with a real run's saved tensors):
   when ``lm_head`` trains, ``grad_weight V·H·4``) plus one chunk's working set (chunked-loss's
   256 MiB budget);
 - ``fsdp_buffers``: the largest unit unsharded twice (the running and the prefetched unit) —
-  each parameter in ``b`` when FSDP casts it for the compute (full fine-tuning), in its own
-  storage dtype when it does not (LoRA: a bf16 or FP8 base, fp32 adapters) — plus its
+  what trains in ``b`` (cast for the compute), what is frozen in its storage dtype (gathered
+  as stored: a LoRA run's bf16 or FP8 base) — plus its
   unsharded fp32 gradient (of what trains); the root unit (embeddings, ``lm_head``, merger)
   unsharded for the whole step with its fp32 gradients (of what trains). One LoRA process
   is not sharded at all (:func:`qwen35_trainer.parallel.parallelize`): nothing;
@@ -122,11 +122,16 @@ def _unit_numel(unit: nn.Module, ep: int, *, trained: bool = False) -> int:
     )
 
 
-def _unit_bytes(unit: nn.Module, ep: int, cast: int | None) -> int:
-    """A unit's bytes unsharded by FSDP: each parameter in ``cast`` bytes when FSDP casts it
-    for the compute, else in its storage dtype."""
+def _gathered(param: torch.Tensor, b: int) -> int:
+    """Bytes per element FSDP gathers ``param`` in: ``b`` for what trains (cast for the
+    compute), the storage dtype's for what is frozen (gathered as stored)."""
+    return b if param.requires_grad else param.dtype.itemsize
+
+
+def _unit_bytes(unit: nn.Module, ep: int, b: int) -> int:
+    """A unit's bytes unsharded by FSDP (:func:`_gathered`; experts stay split over EP)."""
     return sum(
-        math.prod(p.shape) // (ep if "experts." in name else 1) * (cast or p.dtype.itemsize)
+        math.prod(p.shape) // (ep if "experts." in name else 1) * _gathered(p, b)
         for name, p in unit.named_parameters()
     )
 
@@ -193,12 +198,10 @@ def memory(
     *,
     checkpointing: bool,
     units,
-    fsdp_cast: bool = True,
     sharded: bool = True,
 ) -> Memory:
     """This rank's :class:`Memory` (module docstring); ``units``: the FSDP unit modules;
-    ``fsdp_cast``: FSDP casts the parameters to the compute dtype (full fine-tuning; a LoRA
-    run's base is stored in it already); ``sharded``: FSDP wraps the model at all."""
+    ``sharded``: FSDP wraps the model at all."""
     text, vision = model.config.text_config, model.config.vision_config
     b, s = shape.compute_bytes, shape.tokens
     params = parameter_bytes(model)
@@ -222,19 +225,13 @@ def memory(
     recompute = max(_block_working_set(text, s, ROUTING_SKEW, b, full) for full in (False, True))
     head_trains = model.lm_head.weight.requires_grad  # a LoRA run's lm_head is frozen
     loss = s * h * 4 + text.vocab_size * h * 4 * head_trains + LOSS_CHUNK_BYTES
-    cast = b if fsdp_cast else None
     unit = max(
-        (
-            2 * _unit_bytes(u, dims.ep, cast) + _unit_numel(u, dims.ep, trained=True) * 4
-            for u in units
-        ),
+        (2 * _unit_bytes(u, dims.ep, b) + _unit_numel(u, dims.ep, trained=True) * 4 for u in units),
         default=0,
     )
     covered = {id(p) for u in units for p in u.parameters()}
     outside = [p for p in model.parameters() if id(p) not in covered]
-    root = sum(
-        math.prod(p.shape) * ((cast or p.dtype.itemsize) + 4 * p.requires_grad) for p in outside
-    )
+    root = sum(math.prod(p.shape) * (_gathered(p, b) + 4 * p.requires_grad) for p in outside)
     fsdp = unit + root if sharded else 0
     cp = 0
     if dims.cp > 1:

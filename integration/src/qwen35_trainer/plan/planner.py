@@ -175,7 +175,6 @@ def _rank_plan(recipe, dims: ParallelDims, rank: int):
             shape,
             checkpointing=recipe.train.activation_checkpointing,
             units=units,
-            fsdp_cast=not lora,  # a LoRA run's base is stored in the compute dtype (or FP8)
             sharded=not (lora and world == 1),  # one LoRA process: no FSDP
         )
         counts = [0, 0, 0]  # total, routed experts, MTP head
