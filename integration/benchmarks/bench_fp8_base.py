@@ -93,26 +93,14 @@ def _peer(path: str) -> dict:
     from dist_testkit import host_memory
     from qwen35_trainer import load_recipe
     from qwen35_trainer.data import global_batch
+    from qwen35_trainer.recipe import LORA_TARGETS
 
     recipe = load_recipe("tiny", [*ONE_PROCESS, *SIZE, f"model.path={path}"])
     with host_memory() as used:
         model = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
             path, dtype=torch.bfloat16
         )
-        targets = [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "in_proj_qkv",
-            "in_proj_z",
-            "in_proj_b",
-            "in_proj_a",
-            "out_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
+        targets = [t for t in LORA_TARGETS if t != "experts"]  # ours: every projection
         config = LoraConfig(r=16, lora_alpha=32, target_modules=targets,
                             target_parameters=["experts.gate_up_proj", "experts.down_proj"])  # fmt: skip
         model = get_peft_model(model, config)

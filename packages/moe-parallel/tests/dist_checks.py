@@ -7,17 +7,15 @@ import copy
 
 import torch
 import torch.distributed as dist
-from helpers import IDLE_EXPERT, LORA, lora_moe, tiny_moe, tokens
+from helpers import IDLE_EXPERT, lora_moe, tiny_moe, tokens
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from toy_vlm import VLM
 
 from dist_testkit import assert_close, full, make_mesh
 from moe_parallel import (
-    add_expert_lora,
     apply_activation_checkpointing,
     apply_expert_parallel,
     apply_tensor_parallel,
-    quantize_experts,
 )
 from moe_parallel.lora import ADAPTERS as LORA_ADAPTERS
 
@@ -240,15 +238,14 @@ def check_ep_tp_token_split_exact() -> None:
             raise AssertionError("a tp_mesh outside the EP group was accepted")
 
 
-def check_ep_lora_parity() -> None:
-    """Expert adapters sharded with their experts (EP = world, uneven tokens, a rank with
-    none): output, input grads and every adapter's gradient (gathered) equal the one-process
-    run; the frozen expert weights get no gradient; the idle expert's adapters get zeros."""
+def _ep_lora_run(seed: int, fp8_block=None):
+    """:func:`lora_moe` (experts in FP8 with ``fp8_block``) under EP = world against one
+    process: output, input grads and every adapter's gradient (gathered) compared; returns
+    ``(reference, sharded)``."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    xs, gs = _rank_inputs(world, seed=90)
-    ref, y_ref, gx_ref = _reference(xs, gs, moe=lora_moe())
-    moe = apply_expert_parallel(lora_moe(), make_mesh((world,), ("ep",)))
-    assert moe.experts.lora_gate_up_A.to_local().shape[0] == 8 // world
+    xs, gs = _rank_inputs(world, seed=seed)
+    ref, y_ref, gx_ref = _reference(xs, gs, moe=lora_moe(fp8_block=fp8_block))
+    moe = apply_expert_parallel(lora_moe(fp8_block=fp8_block), make_mesh((world,), ("ep",)))
     x = xs[rank].clone().requires_grad_()
     y = moe(x)
     (y * gs[rank]).sum().backward()
@@ -258,6 +255,16 @@ def check_ep_lora_parity() -> None:
     assert_close(x.grad, gx_ref[:, rows], name="x.grad")
     for name in ADAPTERS:
         assert_close(full(_grad(moe, name)), _grad(ref, name), name=name)
+    return ref, moe
+
+
+def check_ep_lora_parity() -> None:
+    """Expert adapters sharded with their experts (EP = world, uneven tokens, a rank with
+    none): output, input grads and every adapter's gradient (gathered) equal the one-process
+    run; the frozen expert weights get no gradient; the idle expert's adapters get zeros."""
+    _, moe = _ep_lora_run(seed=90)
+    assert moe.experts.lora_gate_up_A.to_local().shape[0] == 8 // dist.get_world_size()
+    for name in ADAPTERS:
         assert torch.count_nonzero(full(_grad(moe, name))[IDLE_EXPERT]) == 0, name
     assert all(_grad(moe, name) is None for name in EXPERT)
 
@@ -267,33 +274,14 @@ def check_ep_fp8_lora_parity() -> None:
     the FP8 bytes and the scales are scattered with their experts (as bytes: gloo has no
     float8), and the output, input grads and every adapter's gradient equal the one-process
     FP8 block's."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    xs, gs = _rank_inputs(world, seed=95)
-
-    def fp8_lora_moe():
-        moe = tiny_moe()
-        quantize_experts(moe, (3, 5))
-        add_expert_lora(moe, LORA)
-        with torch.no_grad():
-            moe.experts.lora_down_B.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
-        return moe
-
-    ref, y_ref, gx_ref = _reference(xs, gs, moe=fp8_lora_moe())
-    moe = apply_expert_parallel(fp8_lora_moe(), make_mesh((world,), ("ep",)))
+    ref, moe = _ep_lora_run(seed=95, fp8_block=(3, 5))
+    rank, world = dist.get_rank(), dist.get_world_size()
     for name in ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"):
         local = moe.experts.get_parameter(name).to_local()
         want = ref.experts.get_parameter(name).chunk(world)[rank]
-        assert torch.equal(local.view(torch.uint8) if local.element_size() == 1 else local,
-                           want.view(torch.uint8) if want.element_size() == 1 else want), name  # fmt: skip
-    x = xs[rank].clone().requires_grad_()
-    y = moe(x)
-    (y * gs[rank]).sum().backward()
-    start = sum(t.shape[1] for t in xs[:rank])
-    rows = slice(start, start + xs[rank].shape[1])
-    assert_close(y, y_ref[:, rows], name="output")
-    assert_close(x.grad, gx_ref[:, rows], name="x.grad")
-    for name in ADAPTERS:
-        assert_close(full(_grad(moe, name)), _grad(ref, name), name=name)
+        if local.element_size() == 1:  # FP8: compared as bytes
+            local, want = local.view(torch.uint8), want.view(torch.uint8)
+        assert torch.equal(local, want), name
 
 
 def check_zero_token_optimizer_step() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_parallel import LoRASpec, MoE, add_expert_lora
+from moe_parallel import LoRASpec, MoE, add_expert_lora, quantize_experts
 
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED = 16, 8, 2, 8, 8
 IDLE_EXPERT = 7
@@ -31,10 +31,12 @@ def tokens(batch: int, seq: int, seed: int) -> torch.Tensor:
 LORA = LoRASpec(rank=4, alpha=6.0)
 
 
-def lora_moe(seed: int = 0, spec: LoRASpec = LORA) -> MoE:
+def lora_moe(seed: int = 0, spec: LoRASpec = LORA, fp8_block=None) -> MoE:
     """:func:`tiny_moe` with expert adapters whose ``B`` is random (so every adapter has a
-    gradient), the experts' own weights frozen."""
+    gradient), the experts' own weights frozen (held in FP8 with ``fp8_block``)."""
     moe = tiny_moe(seed)
+    if fp8_block is not None:
+        quantize_experts(moe, fp8_block)
     add_expert_lora(moe, spec)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
