@@ -57,6 +57,7 @@ MTP_ON = ("data.packing=true", "model.mtp_layers=1")
 # LoRA (model.lora): adapters on every projection and the routed experts (their own rank),
 # alpha != rank (a scale of 16, so 3 steps at the tiny recipe's lr learn); everything else frozen
 LORA = ("model.lora.rank=4", "model.lora.alpha=64", "model.lora.expert_rank=8")
+LORA_TRAIN = "model.lora.train_modules=[mlp.gate, lm_head, mtp]"
 # adapters on the FP8 checkpoint written by the ``fp8_base`` fixture (rank 8: on this base the
 # rank-4 run with the MTP head does not learn in 3 steps)
 FP8_BASE = ("model.path={fp8}", *LORA, "model.lora.rank=8")
@@ -293,6 +294,20 @@ LAYOUTS = {
         "lora_mtp",
         (4,),
     ),
+    # LoRA with the routers, lm_head and the MTP head trained in full beside the adapters
+    "lora_train_dp2_cp2_ep2": (
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank=2",
+            *MTP_ON,
+            *LORA,
+            LORA_TRAIN,
+        ),
+        "lora_train_mtp",
+        (4,),
+    ),
     # LoRA on an FP8 checkpoint in Qwen's format (blocks of 12 x 12, partial at every edge;
     # FP8_BASE): in bf16 its experts' FP8 bytes and scales split by EP 2, FSDP gathering the
     # FP8 bytes as stored and casting the adapters (against one bf16 process); in fp32 under DP 2
@@ -395,6 +410,7 @@ VARIANTS = {
     "eval_no_aux": ("train.eval_every=1", "train.router_aux_loss_coef=0"),
     "lora": LORA,
     "lora_mtp": (*MTP_ON, *LORA),
+    "lora_train_mtp": (*MTP_ON, *LORA, LORA_TRAIN),
     "lora_fp8_bf16": (*FP8_BASE, "model.mtp_layers=0", "train.dtype=bfloat16"),
     "lora_fp8_mtp": (*MTP_ON, *FP8_BASE),
 }
@@ -410,6 +426,7 @@ COMPARE = {
     "mtp": {"fields": (*FIELDS, "mtp_loss")},
     "lora_mtp": {"fields": (*FIELDS, "mtp_loss")},
     "lora_fp8_mtp": {"fields": (*FIELDS, "mtp_loss")},
+    "lora_train_mtp": {"fields": (*FIELDS, "mtp_loss")},
     # LoRA's B starts at zero: after 3 steps its norm is mostly Adam's updates, each up to lr
     # per element in either direction from bf16 rounding noise, so the per-tensor allowance
     # above (2 % of the norm plus one step's lr) is short of three steps' noise: 5 %

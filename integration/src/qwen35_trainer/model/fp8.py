@@ -19,7 +19,9 @@ as stored, or a bf16 checkpoint quantized on load).
 Compute: :func:`base_linear` is the one linear of a (possibly FP8) projection;
 :func:`moe_parallel.fp8_linear` dequantizes the weight in the activations' dtype for the call
 and again in the backward, saving only the FP8 bytes, so the model never holds its base in bf16
-(the routed experts do the same per layer, for this rank's experts only).
+(the routed experts do the same per layer, for this rank's experts only). A module trained in
+full (``model.lora.train_modules``, e.g. the MTP head) keeps its precision: an FP8 weight cannot
+take an optimizer step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 
 from moe_parallel import BlockFormat, FP8Weight, dequantize, fp8_linear, quantize_experts
 from moe_parallel.fp8_experts import EXPERT_FP8
+from moe_parallel.moe import Experts
 
 __all__ = [
     "CONVERTED",
@@ -105,9 +108,12 @@ def hold_base_in_fp8(model: nn.Module, block: tuple[int, int]) -> list[str]:
         if name.startswith(FP8_LAYERS) and name.endswith(CONVERTED):
             if not isinstance(module, nn.Linear):
                 raise ValueError(f"{name} is a {type(module).__name__}, not a linear projection")
-            _convert(module, form)
-            converted.append(name)
-    return converted + quantize_experts(model, block)
+            if not module.weight.requires_grad:  # a module trained in full keeps its precision
+                _convert(module, form)
+                converted.append(name)
+        elif isinstance(module, Experts) and not module.gate_up_proj.requires_grad:
+            converted += [name for _ in quantize_experts(module, block)]
+    return converted
 
 
 def converted_form(name: str, block: tuple[int, int]) -> BlockFormat | None:

@@ -108,9 +108,41 @@ def add_lora(model: nn.Module, lora) -> list[str]:
             "layers hold q/k/v/o_proj on attention layers, in_proj_*/out_proj on Gated "
             "DeltaNet layers, gate/up/down_proj in the shared expert)"
         )
+    trained = trained_modules(model, lora.train_modules)
+    model.lora_trained = tuple(trained)
     for name, param in model.named_parameters():
-        param.requires_grad_(is_adapter(name))
+        param.requires_grad_(is_adapter(name) or name.startswith(tuple(f"{t}." for t in trained)))
     return adapted
+
+
+def trained_modules(model: nn.Module, keys) -> list[str]:
+    """The names of ``model``'s modules trained in full (``model.lora.train_modules``: a module
+    whose name ends with a key, PEFT's ``modules_to_save`` rule, so its export loads the same
+    modules), outermost only; ``ValueError`` naming a key that matches nothing or a module that
+    holds an adapter."""
+    found, unmatched = [], []
+    for key in keys:
+        names = [n for n, _ in model.named_modules() if n.endswith(key)]
+        unmatched += [] if names else [key]
+        found += names
+    if unmatched:
+        raise ValueError(
+            f"model.lora.train_modules {unmatched} match no module of the model (e.g. "
+            "lm_head, model.language_model.embed_tokens or embed_tokens, mlp.gate for the "
+            "routers, norm, visual or visual.merger, mtp)"
+        )
+    outer = sorted({n for n in found if not any(n.startswith(f"{o}.") for o in found)})
+    adapted = []
+    for name in outer:
+        held = [p for p, _ in model.get_submodule(name).named_parameters() if "lora_" in p]
+        if held:
+            adapted.append(f"{name} holds the adapters {held[:2]}")
+    if adapted:
+        raise ValueError(
+            "model.lora.train_modules must not hold LoRA projections (a module trains in full "
+            "or through adapters): " + "; ".join(adapted)
+        )
+    return outer
 
 
 def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:

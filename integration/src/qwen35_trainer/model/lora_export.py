@@ -17,7 +17,11 @@ trained function. Keys are PEFT's, ``base_model.model.{module}.lora_{A,B}.weight
   {gate,up,down}_proj.lora_{A,B}.weight``; ``gate_proj`` and ``up_proj`` share the expert's
   ``A`` (one input) and take the first / second half of its ``B``'s rows.
 
-The dense projections' adapters are ``lora_A`` [r, in] and ``lora_B`` [out, r] in both.
+The dense projections' adapters are ``lora_A`` [r, in] and ``lora_B`` [out, r] in both. The
+modules trained in full (``model.lora.train_modules``) are written whole as PEFT saves its
+``modules_to_save`` — ``base_model.model.{module}.{parameter}``, the keys listed under
+``modules_to_save`` — except the multi-token-prediction head's: transformers' model, which PEFT
+wraps, has none (the merged export carries it).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import nn
 
 from moe_parallel.moe import Experts
 from qwen35_trainer.model.lora import LoRALinear
+from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import canonical_name
 
 __all__ = ["LORA_FORMATS", "adapter_config", "adapter_tensors", "write_adapter"]
@@ -67,19 +72,30 @@ def _experts(name: str, module: Experts, full: Callable, per_expert: bool):
 
 
 def adapter_tensors(model: nn.Module, full: Callable, *, per_expert: bool):
-    """``(key, tensor)`` of every adapter of ``model`` in module order (module docstring);
-    ``full`` gathers a (sharded) parameter whole — a collective: every rank calls this."""
+    """``(key, tensor)`` of every adapter of ``model`` in module order (module docstring), then
+    of every module it trains in full (PEFT's ``modules_to_save``: ``{PREFIX}{module}.{param}``;
+    not the MTP head's, which PEFT's model does not have); ``full`` gathers a (sharded)
+    parameter whole — a collective: every rank calls this."""
     for path, module in model.named_modules():
         name = canonical_name(path)
         if isinstance(module, LoRALinear):
             yield from _dense(name, module, full)
         elif isinstance(module, Experts) and module.lora_spec is not None:
             yield from _experts(name, module, full, per_expert)
+    for name in saved_modules(model):
+        for param_name, param in model.get_submodule(name).named_parameters():
+            yield f"{PREFIX}{name}.{canonical_name(param_name)}", full(param)
+
+
+def saved_modules(model: nn.Module) -> list[str]:
+    """The modules ``model`` trains in full that PEFT's model has (the MTP head's it has not)."""
+    return [n for n in getattr(model, "lora_trained", ()) if not f"{n}.".startswith(MTP_PREFIX)]
 
 
 def adapter_config(lora, *, per_expert: bool, base: str | None) -> dict:
     """``adapter_config.json`` for the recipe's ``model.lora`` (scales folded, module
-    docstring); ``base``: the base checkpoint's folder (``base_model_name_or_path``)."""
+    docstring; ``modules_to_save``: its ``train_modules`` but ``mtp``); ``base``: the base
+    checkpoint (``base_model_name_or_path``)."""
     dense = [t for t in lora.targets if t != "experts"]
     experts = "experts" in lora.targets
     if experts and per_expert:
@@ -99,7 +115,7 @@ def adapter_config(lora, *, per_expert: bool, base: str | None) -> dict:
         "inference_mode": True,
         "rank_pattern": {},
         "alpha_pattern": {},
-        "modules_to_save": None,
+        "modules_to_save": [m for m in lora.train_modules if m != "mtp"] or None,
         "task_type": None,
     }
     if experts and lora.experts_rank != lora.rank:

@@ -154,7 +154,7 @@ class MtpShares:
 def mtp_shares(
     mtp: MultiTokenPredictor,
     text_model: nn.Module,
-    head: nn.Linear,
+    head: Any,
     hidden_BTH: torch.Tensor,
     embeds_BSH: torch.Tensor,
     labels_BS: torch.Tensor,
@@ -166,7 +166,8 @@ def mtp_shares(
     accuracy_chunk: int | None = None,
 ) -> MtpShares:
     """Every depth's share on this rank's tokens of one packed row (module docstring).
-    ``hidden_BTH``: the main model's final hidden states of this rank's tokens; ``embeds_BSH``
+    ``head``: the LM head's ``weight`` and ``bias`` (``lm_head``, or the objective's
+    :class:`~qwen35_trainer.model.objective.HeadWeights`); ``hidden_BTH``: the main model's final hidden states of this rank's tokens; ``embeds_BSH``
     / ``labels_BS``: the whole row's input embeddings and labels (not shifted); ``packed``: its
     :class:`~qwen35_trainer.data.packing.PackedInputs`; ``counts``: each depth's global valid
     targets (``None``: counted here, summed over ``loss_group``, every rank holding other

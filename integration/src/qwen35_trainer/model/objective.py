@@ -174,7 +174,7 @@ class TrainingObjective(nn.Module):
             hidden_BSH, labels_BS, tokens_BS, embeds_BSH = packed_hidden_states(vlm, batch, packed)
         if num_valid_tokens is None:
             num_valid_tokens = count_valid_labels(labels_BS, group)
-        head = self.model.lm_head
+        head = _head(self.model.lm_head, hidden_BSH.dtype)
         ce = linear_cross_entropy(
             hidden_BSH,
             head.weight,
@@ -219,6 +219,24 @@ class TrainingObjective(nn.Module):
             mtp=None if mtp is None else mtp.ce,
             mtp_correct=None if mtp is None else mtp.correct,
         )
+
+
+class HeadWeights(NamedTuple):
+    """``lm_head``'s weight and bias as the loss reads them."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def _head(lm_head: torch.nn.Linear, dtype: torch.dtype) -> HeadWeights:
+    """``lm_head``'s weight and bias in the compute ``dtype``. The loss reads them outside the
+    head's forward, so no FSDP unit of its own could cast them: under FSDP the root unit does
+    (and this changes nothing); one LoRA process training ``lm_head`` in full (no FSDP) casts
+    them here, differentiably."""
+    weight, bias = lm_head.weight, lm_head.bias
+    if weight.dtype == dtype:
+        return HeadWeights(weight, bias)
+    return HeadWeights(weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
 def count_valid_labels(labels: torch.Tensor, group: Any = None) -> int:

@@ -74,7 +74,7 @@ import torch
 
 import async_tp_linear
 from async_tp_linear import enable_async_tp, swap_tp_linears
-from fsdp_compat import MixedPrecision, shard_model
+from fsdp_compat import MixedPrecision, shard_model, shard_modules
 from moe_parallel import (
     apply_activation_checkpointing,
     apply_expert_parallel,
@@ -322,12 +322,21 @@ def apply_parallelism(
     """TP (``sequence_parallel``: with SP), EP, activation checkpointing, then FSDP2 (or
     megatron-fsdp, ``fsdp_backend="megatron"``: materialised on ``device`` with
     ``filler()``, :func:`qwen35_trainer.parallel.megatron.shard_megatron`), in
-    place, on ``meshes``; ``fsdp=False`` leaves the parameters unsharded (one process).
+    place, on ``meshes``; ``fsdp=False`` leaves the parameters unsharded (one LoRA process; only
+    the modules it trains in full are wrapped, each its own unit, when they must be cast for
+    a bf16 compute).
 
     ``param_dtype``: FSDP2's compute dtype (bf16) for what trains, with fp32 sharded (master)
     parameters and fp32 gradient reduction; frozen parameters are gathered and computed as
     stored; ``None`` computes in the parameters' dtype."""
     dims, model = meshes.dims, objective.model
+    # the modules a LoRA run trains in full (model.lora.train_modules), before wrappers rename;
+    # not lm_head, whose weight the loss reads outside its forward (the objective casts it)
+    trained = [
+        model.get_submodule(name)
+        for name in getattr(model, "lora_trained", ())
+        if name != "lm_head"
+    ]
     sp = sequence_parallel and dims.tp > 1
     if dims.tp > 1:
         check_tp_heads(model.config.text_config, dims.tp)
@@ -367,13 +376,17 @@ def apply_parallelism(
             )
         shard_megatron(objective, meshes, device, FSDP_UNITS, filler, param_dtype)
         return
-    if not fsdp:
-        return
     mp = None
     if param_dtype is not None:
         # what is frozen is gathered as stored: in the compute dtype already (a LoRA run's base,
         # store_frozen), or FP8, which a cast would turn into bf16 bytes
         mp = MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32, keep_dtype=_frozen)
+    if not fsdp:  # one LoRA process: only the modules it trains in full need casting
+        if mp is not None and trained:
+            shard = (MeshAxis.DP_SHARD, MeshAxis.CP)
+            shard_modules(trained, meshes.dense, shard_dims=shard, mixed_precision=mp,
+                          grad_reduction="sum")  # fmt: skip
+        return
     shard_model(
         objective,
         meshes.dense,

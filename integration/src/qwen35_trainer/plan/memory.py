@@ -33,7 +33,8 @@ with a real run's saved tensors):
   as stored: a LoRA run's bf16 or FP8 base) — plus its
   unsharded fp32 gradient (of what trains); the root unit (embeddings, ``lm_head``, merger)
   unsharded for the whole step with its fp32 gradients (of what trains). One LoRA process
-  is not sharded at all (:func:`qwen35_trainer.parallel.parallelize`): nothing;
+  is not sharded (:func:`qwen35_trainer.parallel.parallelize`): only the modules it trains in
+  full are, under bf16, each cast to a bf16 copy for the compute (``lm_head`` by the loss);
 - ``dequantized``: a base held in FP8 (:mod:`qwen35_trainer.model.fp8`) is dequantized one
   weight at a time as it runs: the largest such weight on this rank (a layer's local experts'
   ``gate_up_proj``) in ``b``, plus the dequantization's two fp32 temporaries of at most
@@ -58,6 +59,7 @@ import math
 import torch
 from torch import nn
 
+from qwen35_trainer.model.lora import is_adapter
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index
 
@@ -232,7 +234,13 @@ def memory(
     covered = {id(p) for u in units for p in u.parameters()}
     outside = [p for p in model.parameters() if id(p) not in covered]
     root = sum(math.prod(p.shape) * (_gathered(p, b) + 4 * p.requires_grad) for p in outside)
-    fsdp = unit + root if sharded else 0
+    fsdp = unit + root
+    if not sharded:  # the bf16 compute copies of the modules trained in full
+        fsdp = sum(
+            _local_numel(p) * b
+            for name, _, _, p in named_parameters(model)
+            if p.requires_grad and not is_adapter(name) and b < p.dtype.itemsize
+        )
     cp = 0
     if dims.cp > 1:
         kv = 2 * text.num_key_value_heads * text.head_dim * b

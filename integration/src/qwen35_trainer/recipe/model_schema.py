@@ -42,7 +42,11 @@ class LoRARecipe:
     the shared expert's ``gate_proj`` / ``up_proj`` / ``down_proj``, and ``experts``: the
     routed experts, one adapter pair per expert and projection (A [E, rank, in], B [E, out,
     rank]) applied inside the grouped expert computation, of rank ``expert_rank`` (``None``:
-    ``rank``). The router, norms, embeddings and the vision tower stay frozen."""
+    ``rank``). ``train_modules``: modules trained in full beside the adapters (PEFT's
+    ``modules_to_save``): a name matches every module whose name ends with it (PEFT's rule) —
+    ``mlp.gate`` (the routers), ``embed_tokens``, ``lm_head``, ``norm`` (every norm),
+    ``visual`` (or ``visual.merger``), ``mtp`` (the multi-token-prediction head); each must match
+    a module, none may hold an adapter. Everything else stays frozen."""
 
     rank: int = 16
     alpha: float = 32.0
@@ -50,6 +54,7 @@ class LoRARecipe:
     targets: tuple[str, ...] = LORA_TARGETS
     expert_rank: int | None = None
     rslora: bool = False
+    train_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
@@ -68,6 +73,14 @@ class LoRARecipe:
                     bool(self.targets) and not unknown,
                     f"a non-empty list of {list(LORA_TARGETS)}"
                     + (f" (unknown: {unknown})" if unknown else ""),
+                ),
+                "train_modules": (
+                    all(
+                        isinstance(n, str) and n and not n.startswith(".")
+                        for n in self.train_modules
+                    )
+                    and len(set(self.train_modules)) == len(self.train_modules),
+                    "a list of distinct module names (e.g. [lm_head, mlp.gate])",
                 ),
             },
             self,

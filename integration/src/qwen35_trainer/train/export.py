@@ -45,7 +45,7 @@ from qwen35_trainer.data.demo import resolve
 from qwen35_trainer.model import build_training_model, export_hf
 from qwen35_trainer.model.adapter import CheckpointFiles, expert_layout
 from qwen35_trainer.model.export import FP8Export
-from qwen35_trainer.model.lora_export import LORA_FORMATS, write_adapter
+from qwen35_trainer.model.lora_export import LORA_FORMATS, saved_modules, write_adapter
 from qwen35_trainer.model.stored import SCALE_SUFFIX
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.recipe import ParallelRecipe, Recipe
@@ -219,6 +219,15 @@ def export_model(
             model, lora, out, full_tensor, per_expert=per_expert, base=base, writer=rank() == 0
         )
         notes.append(f"LoRA adapters ({fmt} layout, scales folded into B) for the base {base}")
+        trained = getattr(model, "lora_trained", ())
+        if trained:
+            saved = saved_modules(model)
+            notes.append(f"modules trained in full, as PEFT's modules_to_save: {len(saved)}")
+            if len(saved) < len(trained):
+                notes.append(
+                    "the multi-token-prediction head's modules trained in full are in the "
+                    "merged export only (--lora merged): PEFT's model has no MTP head"
+                )
     else:
         per_expert, dtype = _per_expert(recipe, options.experts), _dtype(recipe, options.dtype)
         fp8 = _fp8_export(recipe) if options.dtype == "fp8" else None

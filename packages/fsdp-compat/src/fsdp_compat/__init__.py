@@ -2,6 +2,8 @@
 
 - :func:`shard_model` — shard a model over named mesh dims (several are flattened once), with
   FSDP2 or megatron-fsdp, EP/TP-aware.
+- :func:`shard_modules` — FSDP2 on a few modules of an otherwise unsharded model (each its own
+  unit), e.g. to cast them for the compute.
 - :func:`flatten_mesh` / :func:`get_mesh_dim` — mesh dims by name, flattened ones included.
 - :class:`MixedPrecision` — one mixed-precision description for both backends.
 - :func:`clip_grad_norm` — gradient clipping over parameters on several device meshes.
@@ -28,7 +30,7 @@ from fsdp_compat.megatron import (
 from fsdp_compat.megatron_optim import finish_grad_sync
 from fsdp_compat.mesh import flatten_mesh, get_mesh_dim, mesh_dim_names_with_flattened
 from fsdp_compat.precision import MixedPrecision
-from fsdp_compat.shard import BACKENDS, GRAD_REDUCTIONS, shard_model
+from fsdp_compat.shard import BACKENDS, GRAD_REDUCTIONS, shard_model, shard_modules
 
 __version__ = "0.3.0"
 
@@ -50,4 +52,5 @@ __all__ = [
     "megatron_tp_shape_bug",
     "mesh_dim_names_with_flattened",
     "shard_model",
+    "shard_modules",
 ]

@@ -40,7 +40,7 @@ from fsdp_compat.mesh import flatten_mesh
 from fsdp_compat.precision import MixedPrecision
 from fsdp_compat.units import ep_modules, resolve_unit_modules
 
-__all__ = ["BACKENDS", "GRAD_REDUCTIONS", "shard_model"]
+__all__ = ["BACKENDS", "GRAD_REDUCTIONS", "shard_model", "shard_modules"]
 
 BACKENDS = ("fsdp2", "megatron-fsdp")
 GRAD_REDUCTIONS = ("mean", "sum")
@@ -261,3 +261,37 @@ def _optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer | None):
     if stray:
         raise ValueError(f"the optimizer holds {len(stray)} parameters that are not the model's")
     return names
+
+
+def shard_modules(
+    modules: Sequence[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    shard_dims: Sequence[str] = ("dp",),
+    mixed_precision: MixedPrecision | None = None,
+    grad_reduction: str = "mean",
+) -> None:
+    """FSDP2 on ``modules`` only, each its own unit and root, the rest of their model left as
+    it is (in place): for a few modules that need what FSDP gives — a model otherwise unsharded
+    whose trained modules must be cast for the compute (``mixed_precision``), as one process
+    training adapters and a few modules in full does. ``shard_dims`` and ``grad_reduction`` as
+    for :func:`shard_model`."""
+    from fsdp_compat.fsdp2 import shard_fsdp2
+
+    if grad_reduction not in GRAD_REDUCTIONS:
+        raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
+    shard_mesh = flatten_mesh(mesh, _dims("shard_dims", shard_dims, allow_empty=False))
+    for module in modules:
+        shard_fsdp2(
+            module,
+            units=[],
+            ep_units=[],
+            shard_mesh=shard_mesh,
+            ep_mesh=None,
+            reshard_after_forward=None,
+            mixed_precision=mixed_precision,
+            optimizer=None,
+            names=None,
+            options={},
+            sum_reduction=grad_reduction == "sum",
+        )
