@@ -64,7 +64,7 @@ def test_the_named_modules_train_in_full_beside_the_adapters(base, dtype):
 
 
 def test_the_checkpoint_and_the_merged_export_carry_them(base, trained, tmp_path):
-    recipe, result, ckpt = trained
+    _, result, ckpt = trained
     metadata = (ckpt / "step_000003" / ".metadata").read_bytes()
     assert b"lm_head.weight" in metadata and b"mtp.fc.weight" in metadata
     assert b"embed_tokens" not in metadata
