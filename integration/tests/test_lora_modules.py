@@ -125,3 +125,103 @@ def test_names_that_match_nothing_or_hold_adapters_are_refused(base):
         build_model(_recipe(base, "model.lora={rank: 4, train_modules: [lm_haed]}").model)
     with pytest.raises(ValueError, match=r"must not hold LoRA projections .*self_attn holds"):
         build_model(_recipe(base, "model.lora={rank: 4, train_modules: [self_attn]}").model)
+
+
+def _peft_adapter(base, out, *, alpha=12, saved=("lm_head",)):
+    """An adapter written by PEFT itself on transformers' model from ``base``: rank 4 on every
+    projection the recipe adapts and on the fused experts (``target_parameters``), ``alpha``,
+    ``saved`` as ``modules_to_save``; every weight random (B too), then ``save_pretrained``."""
+    from peft import LoraConfig, get_peft_model
+
+    from qwen35_trainer.recipe import LORA_TARGETS
+
+    hf = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=alpha, target_modules=[t for t in LORA_TARGETS if t != "experts"],
+                        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+                        modules_to_save=list(saved))  # fmt: skip
+    peft_model = get_peft_model(hf, config)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                param.copy_(param + 0.1 * torch.randn(param.shape, generator=g))
+    peft_model.save_pretrained(out)
+    return peft_model
+
+
+INIT = "model.lora={{rank: 4, alpha: 64, expert_rank: 4, train_modules: [lm_head], init_from: {}}}"
+
+
+def test_init_from_a_peft_adapter_gives_peft_s_logits(base, tmp_path):
+    """A PEFT adapter (alpha 12 against the recipe's 64: B is rescaled), experts in PEFT's
+    ``target_parameters`` layout and ``lm_head`` saved in full: our first-step logits equal
+    PEFT's on that adapter."""
+    peft_model = _peft_adapter(base, tmp_path / "adapter")
+    recipe = _recipe(base, INIT.format(tmp_path / "adapter"))
+    ours = build_model(recipe.model)
+    batch = global_batch(recipe.model, recipe.data, 0, step=1, dp=1)
+    ours.eval()
+    peft_model.eval()
+    with torch.no_grad():
+        got, want = hf_forward(ours, batch).logits, hf_forward(peft_model, batch).logits
+    # PEFT forms each expert's delta B A, we multiply through the rank: fp32 rounding apart
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_init_from_our_own_exports_round_trips(base, tmp_path):
+    """A run's ``peft`` and ``per_expert`` exports, started from, give the run's logits (the
+    folded scale converted back to the recipe's)."""
+    from qwen35_trainer.model.lora_export import write_adapter
+
+    sets = (LORA, "train.steps=2")
+    recipe = _recipe(base, *sets)
+    result = train(recipe)
+    trained = build_model(recipe.model)
+    trained.load_state_dict(result.state_dict())
+    batch = global_batch(recipe.model, recipe.data, 0, step=3, dp=1)
+    trained.eval()
+    with torch.no_grad():
+        want = hf_forward(trained, batch).logits
+    for layout in ("peft", "per_expert"):
+        out = tmp_path / layout
+        write_adapter(trained, recipe.model.lora, out, lambda t: t,
+                      per_expert=layout == "per_expert", base=str(base), writer=True)  # fmt: skip
+        lora = LORA.removesuffix("}") + f", init_from: {out}}}"
+        started = build_model(_recipe(base, lora).model)
+        started.eval()
+        with torch.no_grad():
+            got = hf_forward(started, batch).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=layout)
+
+
+def test_init_from_refuses_an_adapter_of_another_shape(base, tmp_path):
+    _peft_adapter(base, tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"init_from .* does not fit .*rank 8.*adapter of rank 4"):
+        build_model(
+            _recipe(
+                base, INIT.format(tmp_path / "adapter").replace("rank: 4,", "rank: 8,", 1)
+            ).model
+        )
+    narrow = "{rank: 4, alpha: 4, expert_rank: 4, targets: [q_proj, experts], train_modules: [lm_head], init_from: %s}"
+    with pytest.raises(ValueError, match=r"tensor\(s\) the recipe has no place for"):
+        build_model(_recipe(base, f"model.lora={narrow % (tmp_path / 'adapter')}").model)
+    with pytest.raises(ValueError, match=r"modules_to_save \['lm_head'\] are saved in the adapter"):
+        build_model(
+            _recipe(
+                base, INIT.format(tmp_path / "adapter").replace("train_modules: [lm_head], ", "")
+            ).model
+        )
+
+
+def test_a_run_started_from_an_adapter_resumes_exactly(base, tmp_path):
+    _peft_adapter(base, tmp_path / "adapter")
+    lora = INIT.format(tmp_path / "adapter")
+    whole = train(_recipe(base, lora, "train.steps=3"))
+    _ = train(_recipe(base, lora, "train.steps=2", f"train.checkpoint_dir={tmp_path / 'ckpt'}"))
+    resumed = train(
+        _recipe(base, lora, "train.steps=3", f"train.checkpoint_dir={tmp_path / 'ckpt'}")
+    )
+    assert [log.loss for log in resumed.logs] == [whole.logs[2].loss]
+    theirs = whole.state_dict()
+    for name, value in resumed.state_dict().items():
+        assert torch.equal(value, theirs[name]), name

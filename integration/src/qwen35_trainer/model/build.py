@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ from qwen35_trainer.model.fp8_load import fp8_role, quantized_reader
 from qwen35_trainer.model.init import init_rows, init_rule
 from qwen35_trainer.model.load import plan_hf_load
 from qwen35_trainer.model.lora import add_lora
+from qwen35_trainer.model.lora_import import adapter_readers
 from qwen35_trainer.model.mtp import add_mtp
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.model.params import named_parameters
@@ -129,13 +131,16 @@ def module_filler(
     weights: str | None = None,
     init_missing_mtp: bool = False,
     block: tuple[int, int] | None = None,
+    lora: Any = None,
 ) -> Callable[..., None]:
     """``fill(module, keep=None)``: fills the local shards of ``module``'s own (materialised)
     parameters as :func:`materialize` does — read from ``weights``, else (and for an MTP head
     the checkpoint lacks, ``init_missing_mtp``) name-seeded — and hands each parameter with its
     value before the cast to the parameter's dtype to ``keep(param, value)``. Before
     returning, ``model``'s buffers are materialised on ``device`` (:func:`materialize_buffers`)
-    (``block``: an FP8 checkpoint's ``weight_block_size``)
+    (``block``: an FP8 checkpoint's ``weight_block_size``; ``lora``: the recipe's
+    ``model.lora``, whose ``init_from`` adapter folder the adapters are read from,
+    :mod:`qwen35_trainer.model.lora_import`)
     and the whole checkpoint is planned and checked, every rank agreeing on ``device``;
     ``model``'s parameters may still be on the meta device. Modules without parameters of
     their own are left as they are."""
@@ -153,6 +158,8 @@ def module_filler(
                 weights,
                 len(unfilled),
             )
+    if lora is not None and lora.init_from:  # the adapters start from an adapter folder
+        readers |= adapter_readers(lora.init_from, model, lora)
     owned: dict[nn.Module, list[tuple[str, str]]] = {}
     for name, module, attr, _ in named_parameters(model):
         owned.setdefault(module, []).append((name, attr))
@@ -201,6 +208,7 @@ def materialize(
     weights: str | None = None,
     init_missing_mtp: bool = False,
     block: tuple[int, int] | None = None,
+    lora: Any = None,
 ) -> nn.Module:
     """Allocate the meta ``model``'s local shards on ``device`` and fill them (module
     docstring; ``init_missing_mtp``: a checkpoint without ``mtp.*`` leaves the MTP head to the
@@ -208,7 +216,13 @@ def materialize(
     returns ``model``."""
     model.to_empty(device=device)
     fill = module_filler(
-        model, device, seed=seed, weights=weights, init_missing_mtp=init_missing_mtp, block=block
+        model,
+        device,
+        seed=seed,
+        weights=weights,
+        init_missing_mtp=init_missing_mtp,
+        block=block,
+        lora=lora,
     )
     for module in model.modules():
         fill(module)
@@ -225,6 +239,7 @@ def build_model(model_recipe: ModelRecipe, *, seed: int = 0) -> nn.Module:
         weights=model_recipe.weights_dir,
         init_missing_mtp=model_recipe.init_missing_mtp,
         block=checkpoint_block(model_recipe),
+        lora=model_recipe.lora,
     )
 
 

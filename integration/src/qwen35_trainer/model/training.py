@@ -35,6 +35,7 @@ def build_training_model(
         "weights": recipe.model.weights_dir,
         "init_missing_mtp": recipe.model.init_missing_mtp,
         "block": build.checkpoint_block(recipe.model),
+        "lora": recipe.model.lora,
     }
     # FSDP2 shards the meta model, then each rank fills its shards; megatron-fsdp fills each
     # unit's whole modules itself, module by module, as it shards them

@@ -25,7 +25,10 @@ __all__ = ["BUILTIN_RECIPES", "builtin_recipes", "load_recipe", "recipe_from_dic
 # The paths a recipe reads from: relative ones are relative to the recipe file that states them
 # (a command-line override's to the working directory); the run's outputs (train.output_dir,
 # checkpoint_dir, export_dir) are relative to the working directory.
-INPUT_PATHS = {"model": ("path", "weights"), "data": ("path", "eval_path", "processor")}
+INPUT_PATHS = {
+    "model": ("path", "weights", "lora.init_from"),
+    "data": ("path", "eval_path", "processor"),
+}
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
 
@@ -44,10 +47,13 @@ def _anchored(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     """``data`` with the relative paths it reads from (:data:`INPUT_PATHS`) made absolute
     against ``folder`` (``~`` expanded; ``builtin:`` paths and absolute ones unchanged)."""
     for section, keys in INPUT_PATHS.items():
-        values = data.get(section)
-        if not isinstance(values, dict):
-            continue
-        for key in keys:
+        for dotted in keys:
+            *parents, key = dotted.split(".")
+            values = data.get(section)
+            for parent in parents:  # a nested section (model.lora)
+                values = values.get(parent) if isinstance(values, dict) else None
+            if not isinstance(values, dict):
+                continue
             value = values.get(key)
             if isinstance(value, str) and value and not value.startswith("builtin:"):
                 values[key] = os.path.normpath(folder / Path(value).expanduser())

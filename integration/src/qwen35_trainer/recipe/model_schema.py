@@ -46,7 +46,11 @@ class LoRARecipe:
     ``modules_to_save``): a name matches every module whose name ends with it (PEFT's rule) —
     ``mlp.gate`` (the routers), ``embed_tokens``, ``lm_head``, ``norm`` (every norm),
     ``visual`` (or ``visual.merger``), ``mtp`` (the multi-token-prediction head); each must match
-    a module, none may hold an adapter. Everything else stays frozen."""
+    a module, none may hold an adapter. Everything else stays frozen. ``init_from``: an adapter
+    folder (PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``, this trainer's
+    export or PEFT's own, relative to the recipe file) the adapters — and the modules it saved
+    in full — start from instead of ``B = 0``; its ranks and targets must be the recipe's (its
+    scale is converted: :mod:`qwen35_trainer.model.lora_import`)."""
 
     rank: int = 16
     alpha: float = 32.0
@@ -55,6 +59,7 @@ class LoRARecipe:
     expert_rank: int | None = None
     rslora: bool = False
     train_modules: tuple[str, ...] = ()
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
