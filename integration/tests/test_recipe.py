@@ -102,8 +102,13 @@ def test_bad_train_values_are_refused():
         with pytest.raises(ValueError, match=message):
             tiny(override)
     assert tiny("train.grad_clip=null").train.grad_clip is None
-    with pytest.raises(ValueError, match=r"train.checkpoint_every must be >= 0, and 0 when"):
-        tiny("train.checkpoint_every=2")  # neither checkpoint_dir nor output_dir
+    with pytest.raises(ValueError, match=r"train.checkpoint_every must be >= 0"):
+        tiny("train.checkpoint_every=-1")
+    from qwen35_trainer.train.loop import check_run
+
+    nowhere = tiny("train.checkpoint_every=2")  # loads: export and data check do not save
+    with pytest.raises(ValueError, match=r"train.checkpoint_every=2 but neither"):
+        check_run(nowhere, 1)  # what training refuses (the CLI gives a run folder)
     with pytest.raises(ValueError, match=r"train.steps must be >= 1.*; train.lr must be >= 0"):
         tiny("train.steps=0", "train.lr=-1")  # every bad value in one message
 

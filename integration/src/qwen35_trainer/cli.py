@@ -273,13 +273,12 @@ def _export_main(argv: list[str]) -> int:
         "target_parameters layout), per_expert (2-D adapters per expert) or merged (the "
         "merged weights as a checkpoint folder)",
     )
+    parser.add_argument("--base", help="the base an adapter export names (default: model.path)")
     args = parser.parse_args(argv)
     from qwen35_trainer.train.export import ExportOptions, export_checkpoint, resolve_checkpoint
 
     logging.basicConfig(level=logging.WARNING, format="qwen35-train export: %(message)s")
-    options = ExportOptions(
-        overwrite=args.overwrite, experts=args.experts, dtype=args.dtype, lora=args.lora
-    )
+    options = ExportOptions(args.overwrite, args.experts, args.dtype, args.lora, args.base)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         checkpoint = resolve_checkpoint(args.checkpoint)

@@ -45,7 +45,8 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 
 def _anchored(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     """``data`` with the relative paths it reads from (:data:`INPUT_PATHS`) made absolute
-    against ``folder`` (``~`` expanded; ``builtin:`` paths and absolute ones unchanged)."""
+    against ``folder`` (``~`` expanded; ``builtin:`` paths and absolute ones unchanged); the
+    base checkpoint as written is kept as ``model.base_as_written``."""
     for section, keys in INPUT_PATHS.items():
         for dotted in keys:
             *parents, key = dotted.split(".")
@@ -57,6 +58,8 @@ def _anchored(data: dict[str, Any], folder: Path) -> dict[str, Any]:
             value = values.get(key)
             if isinstance(value, str) and value and not value.startswith("builtin:"):
                 values[key] = os.path.normpath(folder / Path(value).expanduser())
+                if section == "model" and dotted in ("path", "weights"):
+                    values.setdefault("base_as_written", value)  # what an adapter export names
     return data
 
 

@@ -190,6 +190,7 @@ class ModelRecipe:
     mtp_layers: int | None = None
     init_missing_mtp: bool = False
     lora: LoRARecipe | None = None
+    base_as_written: str | None = None
     base_dtype: str = "auto"
     fp8_block: tuple[int, int] = (128, 128)
     quantization: dict[str, Any] | None = None

@@ -143,6 +143,7 @@ ON_BAD_ROW = ("raise", "skip")
 
 
 DTYPES = ("float32", "bfloat16")
+EXPORT_FORMATS = (None, "peft", "per_expert", "merged")
 ON_NONFINITE = ("stop", "skip")
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -168,7 +169,9 @@ class TrainRecipe:
     ``export_dir``: write the trained model there as a transformers checkpoint folder, beside
     the source's processor (:mod:`qwen35_trainer.train.export`); a folder that is not empty is
     refused before training starts unless ``export_overwrite``, which replaces the weights it
-    holds. ``dtype``:
+    holds; ``export_format``: ``peft``, ``per_expert`` or ``merged`` (``None``: ``peft`` for a
+    LoRA run, else the merged weights); ``export_base``: the base a LoRA export names
+    (``base_model_name_or_path``; ``None``: ``model.path`` as the recipe wrote it). ``dtype``:
     ``float32``, or ``bfloat16`` parameters and compute with fp32 master weights and fp32
     gradient reduction (FSDP2 mixed precision; loss, router and Gated DeltaNet statistics stay
     fp32). ``grad_accum_steps``: micro-batches per optimizer step (each rank's samples split
@@ -201,6 +204,8 @@ class TrainRecipe:
     checkpoint_every: int = 0
     export_dir: str | None = None
     export_overwrite: bool = False
+    export_format: str | None = None
+    export_base: str | None = None
     log_every: int = 1
     dtype: str = "float32"
     grad_accum_steps: int = 1
@@ -255,11 +260,10 @@ class TrainRecipe:
                 "on_nonfinite": (self.on_nonfinite in ON_NONFINITE, f"one of {ON_NONFINITE}"),
                 "max_skipped_steps": (self.max_skipped_steps >= 1, ">= 1"),
                 "mtp_loss_weight": (self.mtp_loss_weight >= 0, ">= 0"),
-                "checkpoint_every": (
-                    self.checkpoint_every == 0
-                    or (self.checkpoint_every > 0 and bool(self.checkpoint_dir or self.output_dir)),
-                    ">= 0, and 0 when neither "
-                    "train.checkpoint_dir nor train.output_dir says where checkpoints go",
+                "checkpoint_every": (self.checkpoint_every >= 0, ">= 0"),
+                "export_format": (
+                    self.export_format in EXPORT_FORMATS,
+                    f"one of {EXPORT_FORMATS} (null: peft for a LoRA run, else merged)",
                 ),
             },
             self,

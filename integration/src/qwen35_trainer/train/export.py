@@ -78,12 +78,15 @@ class ExportOptions:
     ``dtype``: the tensors' dtype on disk (``None``: the source's, else the weights'; ``fp8``:
     the weights Qwen's FP8 releases convert in block-scaled FP8, the rest in the source's
     dtype, bf16 without one);
-    ``lora``: a LoRA run's format (``peft``, ``per_expert`` or ``merged``; ``None``: ``peft``)."""
+    ``lora``: a LoRA run's format (``peft``, ``per_expert`` or ``merged``; ``None``: ``peft``);
+    ``base``: the base an adapter export names (``None``: ``train.export_base``, else
+    ``model.path`` as the recipe wrote it — a relative path stays relative)."""
 
     overwrite: bool = False
     experts: str = "source"
     dtype: str | None = None
     lora: str | None = None
+    base: str | None = None
 
     def __post_init__(self) -> None:
         if self.lora is not None and self.lora not in LORA_FORMATS:
@@ -213,7 +216,7 @@ def export_model(
             notes.append(f"removed the weights {out} held: {', '.join(removed)}")
     fmt = (options.lora or "peft") if lora is not None else "merged"
     if fmt != "merged":
-        base = recipe.model.weights_dir
+        base = options.base or recipe.train.export_base or recipe.model.base_as_written
         per_expert = fmt == "per_expert"
         write_adapter(
             model, lora, out, full_tensor, per_expert=per_expert, base=base, writer=rank() == 0

@@ -109,6 +109,13 @@ def check_run(recipe: Recipe, world_size: int) -> ParallelDims:
     cannot run (the layout, the model it must split, this machine) or a named kernel that
     cannot; no collective. The built-in launcher runs it before it starts any worker, so a
     refusal is one message from one process; every worker runs it again."""
+    training = recipe.train
+    if training.checkpoint_every and not (training.checkpoint_dir or training.output_dir):
+        raise ValueError(
+            f"train.checkpoint_every={training.checkpoint_every} but neither "
+            "train.checkpoint_dir nor train.output_dir says where checkpoints go (qwen35-train "
+            "gives a run folder by default; train() does not)"
+        )
     dims = validate_layout(recipe, world_size, config=build_config(recipe.model))
     resolve_kernels(recipe, "cuda" if torch.cuda.is_available() else "cpu")
     return dims
@@ -223,7 +230,10 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
             folder.close()
     place_distributed(objective)  # megatron-fsdp after an evaluation: the trained shards
     if training.export_dir:
-        options = ExportOptions(overwrite=training.export_overwrite)
+        options = ExportOptions(
+            overwrite=training.export_overwrite,
+            lora=training.export_format if recipe.model.lora is not None else None,
+        )
         for note in export_model(objective.model, recipe, training.export_dir, options):
             logger.info("export %s: %s", training.export_dir, note)
     return TrainResult(logs, objective, optimizer)
