@@ -1,4 +1,5 @@
-"""The order in which pytest-xdist hands this suite's files to its two workers (the noxfile runs
+"""The suite's shared fixtures (the demo dataset and its encoder), and the order in which
+pytest-xdist hands this suite's files to its two workers (the noxfile runs
 it with ``-n 2 --dist loadfile --no-loadscope-reorder``): the longest files first, then the
 rest in collection order.
 
@@ -10,6 +11,10 @@ the end are the short ones.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
 
 # longest first, by each file's summed test time in the CI durations of 2026-12-03
 LONGEST_FIRST = (
@@ -30,3 +35,28 @@ def pytest_collection_modifyitems(items):
     file's own test order and the other files' collection order."""
     place = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: place.get(item.path.name, len(place)))
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    """The demo dataset (4 training rows) with a 4-frame mp4 beside it (``four.mp4``)."""
+    import random
+
+    from qwen35_trainer.data.demo import _motion_frames, _write_mp4, make_demo
+
+    root = make_demo(tmp_path_factory.mktemp("demo"), train_rows=4, heldout_rows=1)
+    assert _write_mp4(_motion_frames("left", (230, 40, 40), random.Random(0)), root / "four.mp4")
+    return root
+
+
+@pytest.fixture(scope="module")
+def encoder(demo):
+    """The demo processor's encoder for the tiny recipe's model."""
+    from helpers import tiny
+
+    from qwen35_trainer import build_config
+    from qwen35_trainer.data.conversation import ConversationEncoder, TokenIds
+
+    return ConversationEncoder(
+        str(demo / "processor"), TokenIds(120, 121, 122, 123), build_config(tiny().model)
+    )

@@ -89,10 +89,21 @@ def test_export_into_a_copy_of_the_source(trained, tmp_path, capsys):
 
 
 def test_export_experts_stacked_and_bf16_on_request(trained, tmp_path, capsys):
-    _, checkpoint, sets, state = trained
+    from qwen35_trainer.train.export import PROCESSOR_FILES
+
+    source, checkpoint, sets, state = trained
     out = tmp_path / "stacked"
     assert _export(sets, checkpoint, out, "--experts", "stacked", "--dtype", "bfloat16") == 0
-    assert "weights in bfloat16, routed experts stacked" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "weights in bfloat16, routed experts stacked" in said
+    # the processor's files as the source holds them, byte for byte (not re-saved)
+    held = [name for name in PROCESSOR_FILES if (source / name).is_file()]
+    assert {"tokenizer.json", "preprocessor_config.json", "video_preprocessor_config.json"} <= set(
+        held
+    )
+    for name in held:
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    assert f"copied byte for byte from {source}: {', '.join(held)}" in said
     assert any(name.endswith(".mlp.experts.gate_up_proj") for name in _names(out))
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(out)

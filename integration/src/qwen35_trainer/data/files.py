@@ -6,13 +6,14 @@ Arrow table infers a schema from its first rows and fails (or fills ``None`` for
 never had), so JSON is parsed row by row here:
 
 - ``.jsonl`` (and a ``.json`` file that does not start with ``[``): one JSON object per line,
-  blank lines skipped. The lines are read with Hugging Face ``datasets``' ``text`` builder
+  blank lines skipped (and a leading UTF-8 byte-order mark, as Windows editors save it). The lines are read with Hugging Face ``datasets``' ``text`` builder
   (memory-mapped Arrow, one cached copy shared by every process that reads the file) and each
   is parsed when it is read. A row is named ``FILE:LINE`` (1-based, as editors count).
 - ``.json`` starting with ``[``: a JSON array of row objects, parsed whole (every reading
   process holds it in memory: prefer JSON Lines for large datasets). A row is ``FILE row I``.
-- ``.parquet`` or a folder ``datasets`` can load (``data.split``): Arrow with the file's own
-  schema. Rows are read as Arrow stores them, media undecoded (``datasets``' ``Image`` /
+- ``.parquet``, a ``save_to_disk`` folder or a folder ``datasets`` can load (``data.split``;
+  a folder of JSON files is read file by file, :mod:`qwen35_trainer.data.folders`): Arrow with
+  the file's own schema. Rows are read as Arrow stores them, media undecoded (``datasets``' ``Image`` /
   ``Video`` columns give ``{"bytes", "path"}``), so a bad picture is a bad row, not an
   exception inside ``datasets``. A row is ``FILE row I`` (0-based).
 
@@ -32,15 +33,17 @@ import numpy as np
 
 from qwen35_trainer.data.batch import DataError
 
-__all__ = ["RowFile", "open_rows"]
+__all__ = ["BOM", "RowFile", "arrow_rows", "open_file", "open_rows"]
 
 _SUFFIXES = (".jsonl", ".json", ".parquet")
+BOM = "\ufeff"
 
 
 class RowFile:
     """The rows of one dataset file: ``len(rows)``, ``rows.row(i)`` (a dict; ``DataError``
-    naming the row when it is not one) and ``rows.name(i)``; ``base``: the folder relative
-    media paths are resolved against (the file's own folder, or the dataset folder)."""
+    naming the row when it is not one), ``rows.name(i)`` and ``rows.base_of(i)``: the folder
+    relative media paths of row ``i`` are resolved against (its file's own folder, or the
+    dataset folder)."""
 
     def __init__(self, path: Path, base: Path) -> None:
         self.path, self.base = path, base
@@ -50,6 +53,9 @@ class RowFile:
 
     def name(self, i: int) -> str:
         return f"{self.path} row {i}"
+
+    def base_of(self, i: int) -> Path:
+        return self.base
 
     def _raw(self, i: int) -> Any:
         raise NotImplementedError
@@ -91,6 +97,8 @@ class _JsonLines(RowFile):
 
     def _raw(self, i: int) -> Any:
         text = self._lines[int(self._line[i])]["text"]
+        if i == 0:
+            text = text.removeprefix(BOM)  # a file saved "with BOM" (Windows editors)
         try:
             return json.loads(text)
         except json.JSONDecodeError as error:
@@ -148,50 +156,66 @@ class _Arrow(RowFile):
 
 
 def _first_byte(path: Path) -> bytes:
-    """The file's first byte that is not whitespace (``b""``: none)."""
+    """The file's first byte that is not whitespace or a UTF-8 byte-order mark (``b""``:
+    none)."""
     with open(path, "rb") as file:
+        first = True
         while chunk := file.read(4096):
+            if first:
+                chunk, first = chunk.removeprefix(BOM.encode()), False
             stripped = chunk.lstrip()
             if stripped:
                 return stripped[:1]
     return b""
 
 
-def _arrow(path: Path, split: str) -> RowFile:
+def arrow_rows(path: Path, base: Path, table: Any = None, *, split: str = "train") -> RowFile:
+    """The rows of an Arrow ``table`` (a ``datasets.Dataset``), or of what ``datasets`` loads
+    from ``path`` — a Parquet file, or a folder (its ``split``); media paths relative to
+    ``base``."""
     import datasets
 
-    try:
-        if path.is_dir():
-            return _Arrow(path, path, datasets.load_dataset(str(path), split=split))
-        table = datasets.load_dataset("parquet", data_files=str(path), split="train")
-    except (datasets.exceptions.DatasetGenerationError, ValueError) as error:
-        raise DataError(f"data file {path} cannot be read: {error}") from error
-    return _Arrow(path, path.parent, table)
+    if table is None:
+        try:
+            if path.is_dir():
+                table = datasets.load_dataset(str(path), split=split)
+            else:
+                table = datasets.load_dataset("parquet", data_files=str(path), split="train")
+        except (datasets.exceptions.DatasetGenerationError, ValueError) as error:
+            raise DataError(f"data file {path} cannot be read: {error}") from error
+    return _Arrow(path, base, table)
+
+
+def open_file(file: Path) -> RowFile:
+    """The rows of one JSONL / JSON / Parquet file (module docstring)."""
+    if file.suffix == ".parquet":
+        return arrow_rows(file, file.parent)
+    if file.suffix not in _SUFFIXES:
+        raise DataError(f"data file {file}: expected .jsonl, .json or .parquet, or a folder")
+    if not _first_byte(file):
+        raise DataError(f"data file {file} has no rows (it is empty)")
+    if file.suffix == ".json" and _first_byte(file) == b"[":
+        try:
+            text = file.read_text(encoding="utf-8-sig")  # a byte-order mark skipped
+        except UnicodeDecodeError as error:
+            raise DataError(f"data file {file} is not UTF-8 text: {error}") from error
+        return _JsonArray(file, text)
+    return _JsonLines(file)
 
 
 def open_rows(path: str, split: str = "train") -> RowFile:
-    """The rows of a JSONL / JSON / Parquet file or a folder ``datasets`` loads (its
-    ``split``); ``DataError`` when it is missing, unreadable or has no rows."""
+    """The rows of a JSONL / JSON / Parquet file or a folder (:mod:`qwen35_trainer.data.
+    folders`: its files row by row, a ``save_to_disk`` dataset, or what ``datasets`` loads;
+    its ``split``); ``DataError`` when it is missing, unreadable or has no rows."""
     import datasets
+
+    from qwen35_trainer.data.folders import open_folder
 
     datasets.disable_progress_bars()
     file = Path(path)
     if not file.exists():
         raise DataError(f"data file {path} does not exist")
-    if file.is_dir() or file.suffix == ".parquet":
-        rows = _arrow(file, split)
-    elif file.suffix not in _SUFFIXES:
-        raise DataError(f"data file {path}: expected .jsonl, .json or .parquet, or a folder")
-    elif not _first_byte(file):
-        raise DataError(f"data file {path} has no rows (it is empty)")
-    elif file.suffix == ".json" and _first_byte(file) == b"[":
-        try:
-            text = file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            raise DataError(f"data file {path} is not UTF-8 text: {error}") from error
-        rows = _JsonArray(file, text)
-    else:
-        rows = _JsonLines(file)
+    rows = open_folder(file, split) if file.is_dir() else open_file(file)
     if len(rows) == 0:
         raise DataError(f"data file {path} has no rows")
     return rows

@@ -25,8 +25,10 @@ images; ``fps`` default ``data.frames_fps``). A part with no source — ``{"type
 placeholder: placeholders take the row's ``images`` / ``videos`` list in order of appearance
 (a placeholder's ``index``, where given, must be its place in that order). A row whose
 placeholders disagree with its list is a bad row naming both counts — a marker is never trained
-as text. So ``<image>`` / ``<video>`` can only appear in a text as markers. Remote ``url``
-sources are refused (nothing is downloaded at run time).
+as text. So ``<image>`` / ``<video>`` can only appear in a text as markers. A source may also
+be a ``data:`` URL (under ``path``, ``image`` / ``video``, ``url`` or OpenAI's ``image_url`` /
+``video_url`` parts, ``{"url": ...}`` or a string) or base64 under ``base64``: the media's
+bytes. Remote URLs are refused (nothing is downloaded at run time).
 
 :func:`normalise` returns the conversation with template-ready messages (media parts reduced
 to ``{"type": "image"}`` / ``{"type": "video"}``, texts split at the markers, ``null`` keys
@@ -37,6 +39,8 @@ naming the row.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import re
@@ -47,7 +51,7 @@ from qwen35_trainer.data.batch import DataError
 __all__ = ["Conversation", "Video", "normalise"]
 
 ROLES = ("system", "user", "assistant", "tool")
-PART_TYPES = ("text", "image", "video")
+PART_TYPES = ("text", "image", "video", "image_url", "video_url")
 MARKERS = {"<image>": "image", "<video>": "video"}
 _MARKER = re.compile("(<image>|<video>)")
 SHAREGPT_ROLES = {
@@ -282,15 +286,18 @@ def _part(part: Any, where: str, media: _Media) -> list[dict]:
             if _MARKER.search(text)
             else [{"type": "text", "text": text}]
         )
-    for remote in ("url", f"{kind}_url"):
-        if part.get(remote) is not None:
-            raise DataError(
-                f"{where} ({kind}) has a remote {remote!r}: nothing is downloaded at run time; "
-                f"download it and give its file under 'path'"
-            )
+    kind = kind.removesuffix("_url")  # OpenAI's image_url / video_url parts
     sources = [part[k] for k in ("path", kind) if part.get(k) is not None]
+    for key in ("url", f"{kind}_url"):
+        if part.get(key) is not None:
+            sources.append(_url(part[key], key, kind, where))
+    if part.get("base64") is not None:
+        sources.append(_base64(part["base64"], kind, where))
     if len(sources) > 1:
-        raise DataError(f"{where} ({kind}) has two sources, under 'path' and {kind!r}")
+        keys = [
+            k for k in ("path", kind, "url", f"{kind}_url", "base64") if part.get(k) is not None
+        ]
+        raise DataError(f"{where} ({kind}) has {len(sources)} sources, under {keys}")
     index = part.get("index")
     if not sources and index is not None and index != media.taken[kind]:
         raise DataError(
@@ -301,6 +308,29 @@ def _part(part: Any, where: str, media: _Media) -> list[dict]:
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float) or fps <= 0):
         raise DataError(f"{where} ({kind}) 'fps' must be a number > 0, got {fps!r:.40}")
     return [media.add(kind, sources[0] if sources else None, fps)]
+
+
+def _url(value: Any, key: str, kind: str, where: str) -> str:
+    """A part's ``url`` / ``image_url`` (a string, or OpenAI's ``{"url": ...}``): a ``data:``
+    URL is the media's bytes (decoded where the media is read); a remote URL is refused."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if isinstance(url, str) and url.startswith("data:"):
+        return url
+    shown = url if isinstance(url, str) and len(url) <= 100 else f"{str(url)[:80]}..."
+    raise DataError(
+        f"{where} ({kind}) has a remote {key!r} ({shown}): nothing is downloaded at run time; "
+        "download it and give its file under 'path', or embed it as a data: URL"
+    )
+
+
+def _base64(value: Any, kind: str, where: str) -> bytes:
+    """A part's ``base64`` key: the media's bytes."""
+    try:
+        if not isinstance(value, str):
+            raise ValueError(f"a string expected, got {type(value).__name__}")
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise DataError(f"{where} ({kind}) 'base64' is not base64 data: {error}") from error
 
 
 def _check_extras(turn: dict, where: str) -> None:

@@ -3,14 +3,19 @@ files decoded with PyAV. Only the frames the processor's sampler picks are kept;
 handed on (``fps``, ``frames_indices``) is what Qwen3.5's processor turns into frame timestamps.
 
 A source (:mod:`qwen35_trainer.data.formats`) is a file path relative to ``base`` (the dataset
-file's folder), ``{"bytes", "path"}`` as ``datasets``' ``Image`` / ``Video`` columns store them
-(the bytes when present, else the path), raw bytes, or for an image a PIL image. Every failure
-raises :class:`~qwen35_trainer.data.batch.DataError` naming the row and the media.
+file's folder), a ``data:`` URL (``data:image/png;base64,...``: its bytes, never a path built
+from it), ``{"bytes", "path"}`` as ``datasets``' ``Image`` / ``Video`` columns store them (the
+bytes when present, else the path), raw bytes, or for an image a PIL image. Every failure
+raises :class:`~qwen35_trainer.data.batch.DataError` naming the row and the media (a long
+source cut short).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,11 +24,29 @@ import numpy as np
 
 from qwen35_trainer.data.batch import DataError
 
-__all__ = ["frame_list_video", "open_image", "open_video", "video_file"]
+__all__ = ["data_url_bytes", "frame_list_video", "open_image", "open_video", "video_file"]
 
 
 def _error(where: str, path: Any, what: str) -> DataError:
-    return DataError(f"{where}: {what} {path}")
+    shown = str(path)
+    shown = shown if len(shown) <= 120 else f"{shown[:100]}... ({len(shown)} characters)"
+    return DataError(f"{where}: {what} {shown}")
+
+
+def data_url_bytes(url: str, where: str) -> bytes:
+    """The payload of a ``data:[<type>][;base64],<data>`` URL; ``DataError`` naming ``where``
+    when it is not one."""
+    head, comma, payload = url.partition(",")
+    if not url.startswith("data:") or not comma:
+        raise _error(where, url, "not a data URL (data:[<type>][;base64],<data>):")
+    if not head.endswith(";base64"):
+        return urllib.parse.unquote_to_bytes(payload)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise _error(
+            where, head + ",...", f"a data URL whose base64 is invalid ({error}):"
+        ) from error
 
 
 def _file_or_bytes(base: Path, source: Any, where: str) -> tuple[Any, str]:
@@ -33,16 +56,22 @@ def _file_or_bytes(base: Path, source: Any, where: str) -> tuple[Any, str]:
         if data is None and path is None:
             raise _error(where, source, "a media source with neither 'bytes' nor 'path':")
         source = data if data is not None else path
+    if isinstance(source, str) and source.startswith("data:"):
+        source = data_url_bytes(source, where)
     if isinstance(source, (bytes, bytearray)):
         return io.BytesIO(source), f"(embedded, {len(source)} bytes)"
     if not isinstance(source, (str, Path)):
         raise _error(
             where,
             type(source).__name__,
-            "unknown media source: expected a path, bytes or an image, got",
+            "unknown media source: expected a path, a data URL, bytes or an image, got",
         )
     full = base / source
-    if not full.is_file():
+    try:
+        found = full.is_file()
+    except OSError as error:  # e.g. a name longer than the file system takes
+        raise _error(where, source, f"not a usable file path ({error.strerror}):") from error
+    if not found:
         raise _error(where, full, "missing media file")
     return full, str(full)
 

@@ -87,7 +87,7 @@ class RankDocuments(IterableDataset):
                 order = torch.randperm(n, generator=g).tolist()
             epoch = e
             k = order[i]
-            yield self._encode(shard, j, lambda k=k: rows.row(k), rows.name(k), rows.base)
+            yield self._encode(shard, j, lambda k=k: rows.row(k), rows.name(k), rows.base_of(k))
 
     def _from_source(self, mine: Iterator[tuple[int, int, int]]):
         """The iterable's items in order (read again from the start when it ends); every

@@ -6,8 +6,8 @@ experts in the source's layout (per expert or stacked, :func:`~qwen35_trainer.mo
 expert_layout`; ``experts`` overrides), its ``dtype`` (``config.json``'s; ``dtype``
 overrides, else the trained weights' own), ``config.json`` with ``architectures`` and
 ``dtype``, and beside the weights the source's processor — tokenizer, chat template, image and
-video processors (``model.path``, else ``data.processor``), saved by ``AutoProcessor`` — and
-its ``generation_config.json``. A recipe without a processor gets the weights only, and the
+video processors (``model.path``, else ``data.processor``), their files copied byte for byte
+(:data:`PROCESSOR_FILES`) — and its ``generation_config.json``. A recipe without a processor gets the weights only, and the
 notes say so.
 
 A LoRA run (``model.lora``) exports its adapters by default (``lora``: ``peft``, PEFT's
@@ -67,6 +67,20 @@ EXPERT_LAYOUTS = ("source", "stacked", "per_expert")
 DTYPES = ("float32", "bfloat16", "float16", "fp8")
 # what an FP8 export made from a bf16 checkpoint keeps in bf16 (as Qwen's FP8 releases do)
 NOT_CONVERTED = ["lm_head", "model.language_model.embed_tokens", "model.visual", "mtp.fc"]
+# a processor folder's files: tokenizer, chat template, image / video processors
+PROCESSOR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+)
 # what from_pretrained or a server could load as the folder's weights
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin*")
 
@@ -180,17 +194,19 @@ def _clear_weights(out: Path) -> list[str]:
 
 
 def _beside_weights(recipe: Recipe, out: Path) -> list[str]:
-    """Write the source's processor and generation config into ``out``; what was written."""
-    from transformers import AutoProcessor
-
+    """Copy the source's processor, tokenizer, chat template and generation config into
+    ``out``, byte for byte (a tool that reads them directly sees the source's files, not
+    transformers' re-save of them); what was copied."""
     folder = _processor_dir(recipe)
     if folder is None:
         return [
             "no processor, tokenizer or chat template written: the recipe names none "
             "(model.path or data.processor)"
         ]
-    AutoProcessor.from_pretrained(str(folder), local_files_only=True).save_pretrained(str(out))
-    notes = [f"processor, tokenizer and chat template of {folder}"]
+    copied = [name for name in PROCESSOR_FILES if (folder / name).is_file()]
+    for name in copied:
+        shutil.copyfile(folder / name, out / name)
+    notes = [f"copied byte for byte from {folder}: {', '.join(copied)}"]
     for source in (Path(recipe.model.path or folder), folder):
         if (source / "generation_config.json").is_file():
             shutil.copyfile(source / "generation_config.json", out / "generation_config.json")

@@ -1,0 +1,123 @@
+"""A dataset folder as rows (``data.path`` naming a folder), one of three kinds:
+
+- a ``save_to_disk`` dataset (``state.json`` / ``dataset_dict.json``): ``datasets``'
+  ``load_from_disk``; of a ``DatasetDict`` the split ``data.split`` (``train`` by default; one
+  that is not there is an error naming the ones that are);
+- a folder of JSON Lines / JSON files: each file read row by row as a single file is
+  (:func:`~qwen35_trainer.data.files.open_file`: rows need not share keys, every row named
+  ``FILE:LINE``), the files in path order. Files whose path names a split (``train``, ``test``,
+  ``validation`` / ``valid`` / ``dev``, ``eval``, as ``datasets`` recognises them: a word of the
+  path between ``-``, ``_``, ``.``, ``/``, spaces or digits) hold that split; when none does,
+  every file is the ``train`` split;
+- anything else ``datasets`` loads (Parquet files, a Hub dataset's folder): as it loads it.
+
+A JSON folder is never handed to ``datasets``' folder loader: it infers one schema from the
+first rows, so a later row without the first row's ``tools`` failed with a ``KeyError`` there.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from qwen35_trainer.data.batch import DataError
+from qwen35_trainer.data.files import RowFile, arrow_rows, open_file
+
+__all__ = ["open_folder"]
+
+# a split's words in a file's path (datasets' convention)
+SPLIT_WORDS = {
+    "train": ("train", "training"),
+    "test": ("test", "testing", "eval", "evaluation"),
+    "validation": ("validation", "valid", "val", "dev"),
+}
+# JSON files a dataset folder holds that are not rows
+_METADATA = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
+
+
+class _Files(RowFile):
+    """The rows of several files, one after the other."""
+
+    def __init__(self, folder: Path, files: list[RowFile]) -> None:
+        super().__init__(folder, folder)
+        self.files = files
+        self.starts = [0]
+        for rows in files:
+            self.starts.append(self.starts[-1] + len(rows))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def _at(self, i: int) -> tuple[RowFile, int]:
+        f = next(k for k in range(len(self.files)) if i < self.starts[k + 1])
+        return self.files[f], i - self.starts[f]
+
+    def name(self, i: int) -> str:
+        rows, j = self._at(i)
+        return rows.name(j)
+
+    def base_of(self, i: int) -> Path:
+        rows, j = self._at(i)
+        return rows.base_of(j)
+
+    def row(self, i: int) -> dict:
+        rows, j = self._at(i)
+        return rows.row(j)
+
+
+def _split(relative: str) -> str | None:
+    words = set(re.split(r"[-._ /0-9]+", relative.lower()))
+    return next((split for split, names in SPLIT_WORDS.items() if words & set(names)), None)
+
+
+def _json_files(folder: Path, split: str) -> list[Path]:
+    """The folder's JSON / JSON Lines files of ``split`` (module docstring)."""
+    found = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.suffix in (".jsonl", ".json") and p.name not in _METADATA and p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )  # fmt: skip
+    splits = {p: _split(str(p.relative_to(folder))) for p in found}
+    if not any(splits.values()):
+        if found and split != "train":
+            raise DataError(
+                f"data folder {folder}: its files name no split, so all are 'train'; "
+                f"data.split={split!r}"
+            )
+        return found
+    chosen = [p for p, s in splits.items() if s == split]
+    if not chosen:
+        named = sorted({s for s in splits.values() if s})
+        raise DataError(f"data folder {folder} has no {split!r} files (data.split); it has {named}")
+    return chosen
+
+
+def _from_disk(folder: Path, split: str) -> Any:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError) as error:
+        raise DataError(
+            f"data folder {folder} cannot be read by load_from_disk: {error}"
+        ) from error
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(
+                f"data folder {folder} (a saved DatasetDict) has no split {split!r} "
+                f"(data.split); it has {sorted(loaded)}"
+            )
+        loaded = loaded[split]
+    return loaded
+
+
+def open_folder(folder: Path, split: str) -> RowFile:
+    """The rows of a dataset folder (module docstring)."""
+    if (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file():
+        return arrow_rows(folder, folder, _from_disk(folder, split))
+    files = _json_files(folder, split)
+    if files:
+        return _Files(folder, [open_file(f) for f in files])
+    return arrow_rows(folder, folder, None, split=split)
