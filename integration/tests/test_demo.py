@@ -168,3 +168,26 @@ def test_data_command_usage(args, capsys):
     with pytest.raises(SystemExit) as exited:
         main(args)
     assert exited.value.code == 2
+
+
+def test_the_demo_tokenizer_splits_alike_beside_a_qwen35_config(demo, tmp_path):
+    """transformers loads a tokenizer beside a Qwen3.5 ``config.json`` as ``Qwen3_5Tokenizer``,
+    which rebuilds Qwen's text pipeline around the vocabulary whatever class the tokenizer
+    names: the demo's tokenizer has that pipeline, so both load it to the same ids and text
+    comes back as it was (with its own Metaspace pipeline every space was dropped)."""
+    import shutil
+
+    from transformers import AutoProcessor
+
+    from qwen35_trainer.model import build_config as config_of
+    from qwen35_trainer.recipe import load_recipe as recipe_of
+
+    beside = tmp_path / "beside"
+    shutil.copytree(demo / "processor", beside)
+    config_of(recipe_of("tiny").model).save_pretrained(beside)
+    text = "what colour is the shape? <1.5 seconds>\nred"
+    alone = AutoProcessor.from_pretrained(demo / "processor").tokenizer
+    qwen = AutoProcessor.from_pretrained(beside).tokenizer
+    assert type(qwen).__name__ == "Qwen3_5Tokenizer"
+    assert qwen(text)["input_ids"] == alone(text)["input_ids"]
+    assert qwen.decode(qwen(text)["input_ids"]) == text

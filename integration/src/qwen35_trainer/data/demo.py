@@ -39,7 +39,7 @@ __all__ = [
     "resolve",
 ]
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 IMAGE_SIZE = 16  # pixels: 8×8 patches of 2, 16 merged tokens
 COLOURS = {
     "red": (230, 40, 40),
@@ -245,15 +245,36 @@ def _corpus(rows: list[dict]) -> list[str]:
     return texts
 
 
+def _qwen_pipeline(tokenizer) -> None:
+    """Give ``tokenizer`` Qwen3.5's text pipeline — NFC, its pre-tokenisation split, byte-level
+    symbols — which transformers' ``Qwen3_5Tokenizer`` rebuilds around any vocabulary it loads
+    (it does whenever a Qwen3.5 ``config.json`` sits beside the tokenizer, whatever class the
+    tokenizer names): the demo's text then splits the same under either class."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+
+
 def _write_processor(folder: Path, rows: list[dict]) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models, trainers
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Metaspace()
+    _qwen_pipeline(tokenizer)
     corpus = _corpus(rows)
-    alphabet = sorted({c for text in corpus for c in text} | {"▁"})
+    # the byte-level symbols the corpus uses (all 256 would not leave room for merges)
+    alphabet = sorted(
+        {c for text in corpus for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)
+         for c in piece}
+    )  # fmt: skip
     trainer = trainers.BpeTrainer(
         vocab_size=TEXT_VOCAB,
         special_tokens=[PAD_TOKEN],
@@ -271,7 +292,7 @@ def _write_processor(folder: Path, rows: list[dict]) -> None:
     _json(
         folder / "tokenizer_config.json",
         {
-            "tokenizer_class": "PreTrainedTokenizerFast",
+            "tokenizer_class": "TokenizersBackend",
             "pad_token": PAD_TOKEN,
             "eos_token": "<|im_end|>",
             "model_max_length": 131072,
