@@ -69,7 +69,7 @@ def test_only_assistant_turns_are_labelled(demo):
         {"role": "assistant", "content": "square"},
     )
     sample = encoder(row, "rows.jsonl:0", demo)
-    assert _labelled(encoder, sample).split() == ["red<|im_end|>", "square<|im_end|>"]
+    assert _labelled(encoder, sample) == "red<|im_end|>square<|im_end|>"  # the two answers
     ids = sample.input_ids
     assert (sample.labels[ids == 120] == IGNORE_INDEX).all()  # image placeholders never
     # the labels are exactly the ids where they are set
