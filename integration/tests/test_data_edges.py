@@ -17,7 +17,7 @@ from test_row_formats import FIELDS
 
 from qwen35_trainer.cli import main
 from qwen35_trainer.data.conversation import DataError
-from qwen35_trainer.data.files import open_rows
+from qwen35_trainer.data.rows import open_rows
 
 IMAGE = "images/000001.png"
 

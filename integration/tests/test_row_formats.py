@@ -16,7 +16,7 @@ import torch
 
 from qwen35_trainer import build_config
 from qwen35_trainer.data.conversation import DataError
-from qwen35_trainer.data.files import open_rows
+from qwen35_trainer.data.rows import open_rows
 
 FRAMES = [f"videos/000000/frame_{k}.png" for k in range(4)]
 FIELDS = (

@@ -26,7 +26,7 @@ import time
 
 from packs import KINDS, KV_BOUND, SEEDS, cu_of, pack
 
-from cp_varlen_attn import PAIR_BOUND, TOKEN_BOUND, plan_cp_layout
+from cp_varlen_attn import PAIR_BOUND, TOKEN_BOUND, plan_cp_layout, plan_summaries
 
 CPS = (8, 16, 32)
 # name: (attention layers, heads, head dim, active parameters, GDN key heads, value heads, dim)
@@ -44,7 +44,7 @@ def costs(model: str) -> tuple[float, float]:
 def gdn_ratio(layout, model: str) -> float:
     """Busiest rank's summary bytes (fp32) over its all-gather of q, k, v, g, beta (bf16)."""
     *_, hk, hv, d = MODELS[model]
-    summaries = max(layout.gdn_summary_bytes(hv, d, d))
+    summaries = max(plan_summaries(layout).summary_bytes_per_rank(hv, d, d))
     gathered = max(layout.all_gather_kv_bytes(2 * (2 * hk * d + hv * d + 2 * hv)))
     return summaries / gathered if gathered else 0.0
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from qwen35_trainer.data.demo import resolve
-from qwen35_trainer.data.files import open_rows
 from qwen35_trainer.data.loader import DataStream
+from qwen35_trainer.data.rows import open_rows
 from qwen35_trainer.parallel import Layout
 
 __all__ = ["DataReport", "check_dataset"]

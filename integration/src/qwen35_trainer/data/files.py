@@ -1,4 +1,5 @@
-"""A dataset file as rows, each read on its own, so rows need not share a schema.
+"""A dataset file as rows, each read on its own, so rows need not share a schema (a folder, or
+either: :func:`qwen35_trainer.data.rows.open_rows`).
 
 Conversation datasets are heterogeneous: one row has ``tools`` or ``images``, the next has not;
 one turn's ``content`` is a string, the next a list of parts. Reading such a file into one
@@ -12,7 +13,7 @@ never had), so JSON is parsed row by row here:
 - ``.json`` starting with ``[``: a JSON array of row objects, parsed whole (every reading
   process holds it in memory: prefer JSON Lines for large datasets). A row is ``FILE row I``.
 - ``.parquet``, a ``save_to_disk`` folder or a folder ``datasets`` can load (``data.split``;
-  a folder of JSON files is read file by file, :mod:`qwen35_trainer.data.folders`): Arrow with
+  a folder of JSON files is read file by file, :mod:`qwen35_trainer.data.rows`): Arrow with
   the file's own schema. Rows are read as Arrow stores them, media undecoded (``datasets``' ``Image`` /
   ``Video`` columns give ``{"bytes", "path"}``), so a bad picture is a bad row, not an
   exception inside ``datasets``. A row is ``FILE row I`` (0-based).
@@ -33,7 +34,7 @@ import numpy as np
 
 from qwen35_trainer.data.batch import DataError
 
-__all__ = ["BOM", "RowFile", "arrow_rows", "open_file", "open_rows"]
+__all__ = ["BOM", "RowFile", "arrow_rows", "open_file"]
 
 _SUFFIXES = (".jsonl", ".json", ".parquet")
 BOM = "\ufeff"
@@ -201,21 +202,3 @@ def open_file(file: Path) -> RowFile:
             raise DataError(f"data file {file} is not UTF-8 text: {error}") from error
         return _JsonArray(file, text)
     return _JsonLines(file)
-
-
-def open_rows(path: str, split: str = "train") -> RowFile:
-    """The rows of a JSONL / JSON / Parquet file or a folder (:mod:`qwen35_trainer.data.
-    folders`: its files row by row, a ``save_to_disk`` dataset, or what ``datasets`` loads;
-    its ``split``); ``DataError`` when it is missing, unreadable or has no rows."""
-    import datasets
-
-    from qwen35_trainer.data.folders import open_folder
-
-    datasets.disable_progress_bars()
-    file = Path(path)
-    if not file.exists():
-        raise DataError(f"data file {path} does not exist")
-    rows = open_folder(file, split) if file.is_dir() else open_file(file)
-    if len(rows) == 0:
-        raise DataError(f"data file {path} has no rows")
-    return rows

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from qwen35_trainer.data.conversation import ConversationEncoder, DataError
-from qwen35_trainer.data.files import open_rows
+from qwen35_trainer.data.rows import open_rows
 
 __all__ = ["RankDocuments"]
 

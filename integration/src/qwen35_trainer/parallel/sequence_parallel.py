@@ -93,15 +93,19 @@ def _slice(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return x.chunk(size, dim=dim)[rank].contiguous()
 
 
-class _Scatter(torch.autograd.Function):
+class _ToSlice(torch.autograd.Function):
+    """This TP rank's slice of the sequence: cut from ``x`` (whole on every peer) or, with
+    ``reduce``, reduce-scattered (``x`` a partial sum on every peer); either way the backward
+    all-gathers the slices' gradients."""
+
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx, x, group, dim, reduce):
         ctx.group, ctx.dim = group, dim
-        return _slice(x, group, dim)
+        return (_reduce_scatter if reduce else _slice)(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
+        return _all_gather(grad, ctx.group, ctx.dim), None, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -117,20 +121,9 @@ class _Gather(torch.autograd.Function):
         return _slice(grad, ctx.group, ctx.dim), None, None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
-
-
 def scatter_to_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
     """This TP rank's slice of ``x`` (whole on every peer); the backward all-gathers."""
-    return _Scatter.apply(x, group, dim)
+    return _ToSlice.apply(x, group, dim, False)
 
 
 def gather_from_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
@@ -148,7 +141,7 @@ def gather_replicated(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
     """Partial results summed over the TP group, this rank keeping its slice; the backward
     all-gathers."""
-    return _ReduceScatter.apply(x, group, dim)
+    return _ToSlice.apply(x, group, dim, True)
 
 
 def sequence_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:

@@ -149,16 +149,6 @@ class CPLayout:
         gathered = sum(self.all_gather_kv_bytes(1))
         return sum(self.kv_rows_received) / gathered if gathered else 0.0
 
-    def gdn_summary_bytes(
-        self, heads_v: int, dk: int, dv: int, bytes_per_elem: int = 4
-    ) -> list[int]:
-        """Per rank, bytes of gated-delta-rule piece summaries received per GDN layer (the
-        prefix exchange of :func:`cp_varlen_attn.plan_summaries`); compare with
-        ``all_gather_kv_bytes(bytes per token of q, k, v, g, beta)``."""
-        from cp_varlen_attn.gdn_cp import plan_summaries
-
-        return plan_summaries(self).summary_bytes_per_rank(heads_v, dk, dv, bytes_per_elem)
-
     def kv_rows_needed(self, rank: int) -> int:
         """K/V rows ``rank`` must receive: for each document it holds, the document's tokens
         before the end of its last local piece that live on other ranks."""

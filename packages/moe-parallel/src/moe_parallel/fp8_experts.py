@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from moe_parallel.fp8 import BlockFormat, quantize
+from moe_parallel.moe import Experts
 
 __all__ = ["EXPERT_FP8", "quantize_experts"]
 
@@ -32,8 +33,6 @@ EXPERT_FP8 = {
 def quantize_experts(model: nn.Module, block: tuple[int, int]) -> list[str]:
     """Hold every routed expert weight of ``model`` in FP8 with ``block`` scales (module
     docstring), in place, before expert parallelism; returns the experts' module names."""
-    from moe_parallel.moe import Experts
-
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, Experts):

@@ -30,10 +30,9 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["ADAPTERS", "LoRASpec", "add_expert_lora", "reset_expert_lora"]
+from moe_parallel.moe import ADAPTERS, Experts
 
-# the adapter parameters of an Experts module: A [E, r, in], B [E, out, r] per projection
-ADAPTERS = ("lora_gate_up_A", "lora_gate_up_B", "lora_down_A", "lora_down_B")
+__all__ = ["ADAPTERS", "LoRASpec", "add_expert_lora", "reset_expert_lora"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +76,6 @@ def add_expert_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     ``lora_spec``, before expert parallelism; returns their module names. The experts' own
     weights are left as they are (freeze them with ``requires_grad_(False)`` to train the
     adapters only)."""
-    from moe_parallel.moe import Experts
-
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, Experts):

@@ -33,7 +33,11 @@ from torch import nn
 from moe_parallel.fp8 import BlockFormat, FP8Weight
 from moe_parallel.grouped import EXPERT_BACKENDS, LoRAFactors, expert_swiglu
 
-__all__ = ["MoE", "MoEStats", "load_balancing_loss"]
+__all__ = ["ADAPTERS", "MoE", "MoEStats", "load_balancing_loss"]
+
+# the expert adapters' parameters of an Experts module (moe_parallel.lora adds them): A [E, r,
+# in], B [E, out, r] per projection
+ADAPTERS = ("lora_gate_up_A", "lora_gate_up_B", "lora_down_A", "lora_down_B")
 
 
 @dataclasses.dataclass
@@ -151,8 +155,6 @@ class Experts(nn.Module):
         spec = self.lora_spec
         if spec is None:
             return None
-        from moe_parallel.lora import ADAPTERS
-
         weights = [getattr(self, name) for name in ADAPTERS]
         local = [w.to_local() if hasattr(w, "to_local") else w for w in weights]
         return LoRAFactors(*local, scale=spec.scale, dropout=spec.dropout if self.training else 0.0)

@@ -1,4 +1,5 @@
-"""A dataset folder as rows (``data.path`` naming a folder), one of three kinds:
+"""A dataset as rows: :func:`open_rows` of ``data.path``, a file
+(:func:`~qwen35_trainer.data.files.open_file`) or a folder, one of three kinds:
 
 - a ``save_to_disk`` dataset (``state.json`` / ``dataset_dict.json``): ``datasets``'
   ``load_from_disk``; of a ``DatasetDict`` the split ``data.split`` (``train`` by default; one
@@ -24,7 +25,7 @@ from typing import Any
 from qwen35_trainer.data.batch import DataError
 from qwen35_trainer.data.files import RowFile, arrow_rows, open_file
 
-__all__ = ["open_folder"]
+__all__ = ["open_folder", "open_rows"]
 
 # a split's words in a file's path (datasets' convention)
 SPLIT_WORDS = {
@@ -121,3 +122,19 @@ def open_folder(folder: Path, split: str) -> RowFile:
     if files:
         return _Files(folder, [open_file(f) for f in files])
     return arrow_rows(folder, folder, None, split=split)
+
+
+def open_rows(path: str, split: str = "train") -> RowFile:
+    """The rows of a JSONL / JSON / Parquet file (:mod:`qwen35_trainer.data.files`) or a folder
+    (module docstring; its ``split``); ``DataError`` when it is missing, unreadable or has no
+    rows."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    file = Path(path)
+    if not file.exists():
+        raise DataError(f"data file {path} does not exist")
+    rows = open_folder(file, split) if file.is_dir() else open_file(file)
+    if len(rows) == 0:
+        raise DataError(f"data file {path} has no rows")
+    return rows
