@@ -6,8 +6,8 @@ import torch
 from helpers import tiny
 
 from qwen35_trainer import train
-from qwen35_trainer.train.checkpoint import checkpoints_in
 from qwen35_trainer.train.integrity import INTACT, verify
+from qwen35_trainer.train.resume import checkpoints_in
 
 
 def test_resume_continues_bit_identically(tmp_path, caplog):
@@ -46,7 +46,7 @@ def test_a_crafted_metadata_pickle_is_refused_without_running_it(tmp_path):
 
     import pytest
 
-    from qwen35_trainer.train.checkpoint import UnsafeCheckpointError, load_checkpoint
+    from qwen35_trainer.train.resume import UnsafeCheckpointError, load_checkpoint
 
     marker = tmp_path / "ran"
 

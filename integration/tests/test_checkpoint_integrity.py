@@ -14,8 +14,8 @@ from helpers import ONE_PROCESS, TINY
 
 from qwen35_trainer import load_recipe, train
 from qwen35_trainer.cli import main
-from qwen35_trainer.train.checkpoint import DamagedCheckpointError, load_checkpoint, newest_loadable
 from qwen35_trainer.train.integrity import DAMAGED, INTACT, MANIFEST, NO_MANIFEST, verify
+from qwen35_trainer.train.resume import DamagedCheckpointError, load_checkpoint, newest_loadable
 
 SHARD = "__0_0.distcp"
 

@@ -156,7 +156,7 @@ class TrainRecipe:
     config's value. ``activation_checkpointing``: recompute decoder (and trainable vision)
     blocks in backward (:func:`moe_parallel.apply_activation_checkpointing`).
     ``checkpoint_dir``: save there every ``checkpoint_every`` steps (0: only after the last) and
-    resume from its newest intact checkpoint (:mod:`qwen35_trainer.train.checkpoint`: every file is
+    resume from its newest intact checkpoint (:mod:`qwen35_trainer.train.resume`: every file is
     checked against the checkpoint's manifest before loading, sizes always and checksums unless
     ``verify_checkpoints`` is false; a damaged checkpoint is skipped with a warning).
     ``deterministic``: PyTorch's deterministic algorithms for the run, so the same recipe,

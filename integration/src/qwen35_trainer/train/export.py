@@ -49,8 +49,8 @@ from qwen35_trainer.model.lora_export import LORA_FORMATS, saved_modules, write_
 from qwen35_trainer.model.stored import SCALE_SUFFIX
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.recipe import ParallelRecipe, Recipe
-from qwen35_trainer.train.checkpoint import checkpoints_in, load_model_weights, newest_loadable
 from qwen35_trainer.train.integrity import MANIFEST
+from qwen35_trainer.train.resume import checkpoints_in, load_model_weights, newest_loadable
 
 __all__ = [
     "EXPERT_LAYOUTS",

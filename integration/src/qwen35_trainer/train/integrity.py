@@ -22,7 +22,7 @@ core, so it costs a few per cent of a save (``benchmarks/bench_checkpoint.py``).
 Verifying a checkpoint (:func:`verify`): sizes are compared for every file (a ``stat`` each);
 checksums read the files again. Under a launch, ``share`` lets each rank hash every
 ``world``-th file; the ranks then combine their verdicts
-(:func:`qwen35_trainer.train.checkpoint.agreed_verdict`). A directory is one of:
+(:func:`qwen35_trainer.train.resume.agreed_verdict`). A directory is one of:
 
 - ``intact``: it has a manifest and every file matches it;
 - ``damaged``: a file is missing, has another size or checksum, the manifest cannot be read, or

@@ -28,10 +28,10 @@ from torch.distributed.tensor import DTensor
 
 from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.recipe import Recipe
-from qwen35_trainer.train.checkpoint import checkpoints_in, load_checkpoint, restore_data_state
 from qwen35_trainer.train.determinism import deterministic_mode
 from qwen35_trainer.train.loop import setup, start_processes
 from qwen35_trainer.train.nonfinite import global_sources
+from qwen35_trainer.train.resume import checkpoints_in, load_checkpoint, restore_data_state
 from qwen35_trainer.train.schedule import lr_at, set_lr
 from qwen35_trainer.train.step import total_loss, train_step
 
