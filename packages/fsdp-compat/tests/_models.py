@@ -18,6 +18,15 @@ from torch.distributed.tensor import DTensor, Replicate
 H, V, S, B, E = 8, 16, 6, 2, 4
 
 
+def dp_cp_mesh():
+    """The launch's ranks as a (dp, cp) mesh with cp = 2."""
+    import torch.distributed as dist
+
+    from dist_testkit import make_mesh
+
+    return make_mesh((dist.get_world_size() // 2, 2), ("dp", "cp"))
+
+
 class Block(nn.Module):
     """Pre-norm causal self-attention + MLP, residual; ``gate`` has a single element."""
 

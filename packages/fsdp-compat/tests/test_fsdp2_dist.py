@@ -23,10 +23,12 @@ from _models import (
     TinyTransformer,
     TPModel,
     batches,
+    dp_cp_mesh,
     lm_loss,
     make_optimizer,
     reference_run,
 )
+from fp8_checks import check_frozen_fp8_gathered_as_bytes
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -36,7 +38,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-import fsdp_compat
 import fsdp_compat.fsdp2
 from dist_testkit import assert_close, assert_grads_close, make_mesh, named_check, run_checks
 from fsdp_compat import MixedPrecision, clip_grad_norm, flatten_mesh, get_mesh_dim, shard_model
@@ -44,11 +45,6 @@ from fsdp_compat import MixedPrecision, clip_grad_norm, flatten_mesh, get_mesh_d
 STEPS = 3
 # DCP's object collectives (gather/scatter of the save plan) go through numpy.
 HAVE_NUMPY = importlib.util.find_spec("numpy") is not None
-
-
-def _dp_cp_mesh():
-    world = dist.get_world_size()
-    return make_mesh((world // 2, 2), ("dp", "cp"))
 
 
 def _train_and_compare(model, reference, data, data_rank, optimizer, rtol=1e-5, atol=1e-6):
@@ -70,7 +66,7 @@ def _train_and_compare(model, reference, data, data_rank, optimizer, rtol=1e-5, 
 
 def check_parity_dp_cp() -> list[int]:
     """shard_dims=("dp", "cp"): every rank is one data shard of a world-sized FSDP group."""
-    mesh = _dp_cp_mesh()
+    mesh = dp_cp_mesh()
     torch.manual_seed(0)
     model = TinyTransformer()
     reference = copy.deepcopy(model)
@@ -93,7 +89,7 @@ def _naive_shard_mesh(mesh, dims):
 
 
 def check_flattened_lookup_negative_control() -> None:
-    mesh = _dp_cp_mesh()
+    mesh = dp_cp_mesh()
     world = dist.get_world_size()
     flat = flatten_mesh(mesh, ("dp", "cp"))
     assert flat.mesh_dim_names == ("dp_cp",) and flat.size() == world
@@ -134,7 +130,7 @@ def _recording(calls):
 
 
 def check_optional_args_only_when_set() -> None:
-    mesh = _dp_cp_mesh()
+    mesh = dp_cp_mesh()
     real = fsdp_compat.fsdp2.fully_shard
     try:
         unset: list[dict] = []
@@ -159,7 +155,7 @@ def check_optional_args_only_when_set() -> None:
 
 def check_mixed_precision_bf16() -> None:
     """bf16 compute, fp32 reduce: close to the fp32 reference within bf16 rounding."""
-    mesh = _dp_cp_mesh()
+    mesh = dp_cp_mesh()
     torch.manual_seed(0)
     model = TinyTransformer()
     reference = copy.deepcopy(model)
@@ -296,7 +292,7 @@ def check_expert_mesh_and_clip() -> None:
 
 def check_dcp_roundtrip(path: str) -> None:
     """A DCP checkpoint of the dp×cp-sharded model restores its parameters exactly."""
-    mesh = _dp_cp_mesh()
+    mesh = dp_cp_mesh()
     torch.manual_seed(0)
     model = TinyTransformer()
     optimizer = make_optimizer(model)
@@ -318,78 +314,8 @@ def check_dcp_roundtrip(path: str) -> None:
         assert_close(p, saved[name], rtol=0, atol=0, name=name)
 
 
-def check_frozen_fp8_gathered_as_bytes() -> None:
-    """A frozen float8 weight (FP8 bytes + fp32 block scales) beside an fp32 trainable one
-    under bf16 mixed precision with ``keep_dtype`` = frozen: FSDP2 all-gathers the FP8 bytes
-    and the fp32 scales as stored and the trained weight in bf16 (one uint8 buffer: gloo has no
-    float8), and the unit's forward sees the whole weight; without ``keep_dtype`` every
-    parameter travels in bf16 (the FP8 bytes as bf16 values: twice the bytes).
-    ``full_tensor`` rebuilds the float8 weight bit for bit (as bytes)."""
-    torch.manual_seed(0)
-    weight = torch.randn(6, 4).to(torch.float8_e4m3fn)
-    adapter = torch.randn(3, 4)
-
-    class Frozen8(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
-            self.scale = torch.nn.Parameter(torch.full((2, 1), 0.5), requires_grad=False)
-            self.adapter = torch.nn.Parameter(adapter.clone())
-
-        def forward(self, x):
-            dense = self.weight.float() * self.scale.repeat_interleave(3, 0)
-            return (x.float() @ dense.T).sum() + (x @ self.adapter.T).float().sum()
-
-    class Outer(torch.nn.Module):
-        _no_split_modules = ("Frozen8",)
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.unit = Frozen8()
-
-        def forward(self, x):
-            return self.unit(x)
-
-    def gathered_bytes(keep):
-        precision = MixedPrecision(param_dtype=torch.bfloat16, keep_dtype=keep)
-        model = shard_model(Outer(), _dp_cp_mesh(), shard_dims=("dp", "cp"),
-                            mixed_precision=precision)  # fmt: skip
-        sizes = []
-        original = dist.all_gather_single
-
-        def recorded(out, inp, *args, **kwargs):
-            sizes.append((out.dtype, out.numel()))
-            return original(out, inp, *args, **kwargs)
-
-        dist.all_gather_single = recorded
-        try:
-            x = torch.ones(2, 4)
-            out = model(x)
-            out.backward()
-        finally:
-            dist.all_gather_single = original
-        return model, x, out, sizes
-
-    world = dist.get_world_size()
-
-    def padded(*params):  # rows padded to the world, times columns and bytes per element
-        return sum(-(-rows // world) * world * cols * size for rows, cols, size in params)
-
-    model, x, out, sizes = gathered_bytes(lambda p: not p.requires_grad)
-    # the unit gathered for the forward and again for the backward, the same bytes each time
-    assert set(sizes) == {(torch.uint8, padded((6, 4, 1), (2, 1, 4), (3, 4, 2)))}, sizes
-    want = (x @ (weight.float() * 0.5).T).sum() + (x.bfloat16() @ adapter.bfloat16().T).sum()
-    assert_close(out.detach(), want.float())
-    assert model.unit.adapter.grad is not None
-    full = fsdp_compat.full_tensor(model.unit.weight)
-    assert full.dtype == torch.float8_e4m3fn
-    assert torch.equal(full.view(torch.uint8), weight.view(torch.uint8))
-    _, _, _, cast = gathered_bytes(None)
-    assert set(cast) == {(torch.bfloat16, padded((6, 4, 1), (2, 1, 1), (3, 4, 1)))}, cast
-
-
 def check_bad_inputs() -> None:
-    mesh = _dp_cp_mesh()
+    mesh = dp_cp_mesh()
     cases = [
         (dict(unit_modules=["Blok"]), ValueError, r"\['Blok'\] match no submodule"),
         (dict(shard_dims=("dp", "xx")), ValueError, r"\['xx'\] are not dims of the root mesh"),
