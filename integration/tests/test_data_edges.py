@@ -119,7 +119,9 @@ def test_bad_embedded_media_are_bad_rows(demo, encoder, part, message):
     assert str(error.value).startswith("rows.jsonl:3") and len(str(error.value)) < 400
 
 
-def test_data_check_lists_bad_embedded_rows_and_training_skips_them(demo, tmp_path, capsys):
+def test_data_check_lists_bad_embedded_rows_and_training_skips_them(
+    demo, tmp_path, capsys, monkeypatch
+):
     """A file with a good row, a row whose data URL is broken and one whose name is 300,000
     characters: ``data check`` reports the two bad rows by ``FILE:LINE`` (exit 3), training
     with ``on_bad_row: skip`` trains on the good one."""
@@ -129,7 +131,8 @@ def test_data_check_lists_bad_embedded_rows_and_training_skips_them(demo, tmp_pa
         _ask({"type": "image", "image": "data:image/png;base64,@@"}),
         _ask({"type": "image", "path": "y" * 300_000}),
     ]
-    path = _write_jsonl(demo / "embedded.jsonl", rows)
+    path = _write_jsonl(tmp_path / "embedded.jsonl", rows)
+    monkeypatch.chdir(tmp_path)  # the run folder
     sets = [*ONE_PROCESS, f"data.path={path}", f"data.processor={demo / 'processor'}",
             "data.eval_path=null", "train.eval_every=0"]  # fmt: skip
     args = [a for s in sets for a in ("--set", s)]
