@@ -152,7 +152,7 @@ def _micro(
                 pad,
                 cp=layout.cp,
                 group=layout.cp_group,
-                multiple=layout.row_multiple,
+                multiple=capacity if layout.pipelined else layout.row_multiple,
                 capacity=capacity,
             )
             out.append((batch.to(device), packed.to(device)))

@@ -23,8 +23,10 @@ peak (a table of datasheet numbers, or ``QWEN35_PEAK_FLOPS``); without it there 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -106,3 +108,31 @@ def training_flops(
         forward += 2 * patches * (pixels * vh + vision.depth * block + merger // merge)
         forward += vision.depth * t * 4 * vh * (hh * ww) ** 2
     return 3.0 * forward
+
+
+def layer_costs(config: Any, row: int | None) -> tuple[list[float], float, float]:
+    """``(per decoder layer, first-stage extra, last-stage extra)`` training FLOPs of one row of
+    ``row`` tokens, one document, for balancing pipeline stages: each layer's own (full
+    attention and Gated DeltaNet layers differ, their MoE blocks are the same), the vision
+    tower on one frame whose merged tokens fill a quarter of the row (the first stage's), and
+    the head with the MTP layers (the last's)."""
+    row = row or 4096  # the nominal row without data.pack_length
+    text, vision = config.text_config, config.vision_config
+    one = functools.partial(_flops_with, config, row)
+    per_type = {kind: one(layer_types=[kind], mtp=0) - one(layer_types=[], mtp=0)
+                for kind in set(text.layer_types)}  # fmt: skip
+    # one frame whose merged tokens fill a quarter of the row (no text tokens: vision alone)
+    side = vision.spatial_merge_size * max(1, int((row / 4) ** 0.5))
+    tower = training_flops(config, [0], [[1, side, side]])
+    last = one(layer_types=[], mtp=getattr(text, "mtp_num_hidden_layers", 0))
+    return [per_type[kind] for kind in text.layer_types], tower, last
+
+
+def _flops_with(config: Any, row: int, *, layer_types: list[str], mtp: int) -> float:
+    text = config.text_config
+    saved = text.layer_types, getattr(text, "mtp_num_hidden_layers", 0)
+    text.layer_types, text.mtp_num_hidden_layers = layer_types, mtp
+    try:
+        return training_flops(config, [row], [])
+    finally:
+        text.layer_types, text.mtp_num_hidden_layers = saved

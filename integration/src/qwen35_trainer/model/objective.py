@@ -127,6 +127,9 @@ class TrainingObjective(nn.Module):
         # under parallel.fsdp_backend=megatron: megatron-fsdp's wrapper around this objective
         # (set by qwen35_trainer.parallel.megatron.shard_megatron)
         self.megatron: nn.Module | None = None
+        # under parallel.pp > 1: this rank's stages and torch's schedule (set by
+        # qwen35_trainer.parallel.pipeline.build_pipeline; the step runs them)
+        self.pipeline: Any = None
 
     def forward(
         self,
@@ -174,7 +177,7 @@ class TrainingObjective(nn.Module):
             hidden_BSH, labels_BS, tokens_BS, embeds_BSH = packed_hidden_states(vlm, batch, packed)
         if num_valid_tokens is None:
             num_valid_tokens = count_valid_labels(labels_BS, group)
-        head = _head(self.model.lm_head, hidden_BSH.dtype)
+        head = head_weights(self.model.lm_head, hidden_BSH.dtype)
         ce = linear_cross_entropy(
             hidden_BSH,
             head.weight,
@@ -228,7 +231,7 @@ class HeadWeights(NamedTuple):
     bias: torch.Tensor | None
 
 
-def _head(lm_head: torch.nn.Linear, dtype: torch.dtype) -> HeadWeights:
+def head_weights(lm_head: torch.nn.Linear, dtype: torch.dtype) -> HeadWeights:
     """``lm_head``'s weight and bias in the compute ``dtype``. The loss reads them outside the
     head's forward, so no FSDP unit of its own could cast them: under FSDP the root unit does
     (and this changes nothing); one LoRA process training ``lm_head`` in full (no FSDP) casts

@@ -3,6 +3,7 @@ and the tests build it with, so they run the same lines."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from qwen35_trainer.model import build
 from qwen35_trainer.model.lora import store_frozen
 from qwen35_trainer.model.objective import TrainingObjective
+from qwen35_trainer.model.pipeline import plan_pipeline
 from qwen35_trainer.parallel import Layout, ParallelDims, parallelize
 
 __all__ = ["build_training_model"]
@@ -45,6 +47,7 @@ def build_training_model(
         device,
         dims=dims,
         filler=(lambda: build.module_filler(model, device, **fill)) if materialize else None,
+        pipeline=functools.partial(plan_pipeline, recipe, objective),
     )
     if materialize and objective.megatron is None:
         build.materialize(model, device, **fill)

@@ -67,6 +67,7 @@ are summed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +85,7 @@ from qwen35_trainer.parallel.compile import compile_blocks
 from qwen35_trainer.parallel.dims import MeshAxis, Meshes, ParallelDims
 from qwen35_trainer.parallel.dist import init_distributed, world
 from qwen35_trainer.parallel.megatron import megatron_refusals, shard_megatron
+from qwen35_trainer.parallel.pipeline_split import pipeline_refusals
 from qwen35_trainer.parallel.requirements import machine_refusals
 from qwen35_trainer.parallel.sequence_parallel import (
     SequenceParallelGrads,
@@ -129,6 +131,12 @@ class Layout:
             return 8
         dims = self.meshes.dims
         return sequence_multiple(dims.cp, dims.tp, dims.sp)
+
+    @property
+    def pipelined(self) -> bool:
+        """Under PP every micro-batch's row is padded to its whole capacity (the stages'
+        buffers have one shape, :mod:`qwen35_trainer.parallel.pipeline`)."""
+        return self.meshes is not None and self.meshes.dims.pp > 1
 
     @classmethod
     def from_meshes(cls, meshes: Meshes) -> Layout:
@@ -232,6 +240,7 @@ def validate_layout(
             "split over the TP ranks in equal slices)"
         )
     reasons += megatron_refusals(recipe) + lora_refusals(recipe)
+    reasons += pipeline_refusals(recipe, None if config is None else config.text_config)
     if on_this_machine:
         reasons += machine_refusals(parallel)
     if reasons:
@@ -246,16 +255,24 @@ def parallelize(
     *,
     dims: ParallelDims | None = None,
     filler: Callable[[], Callable[[torch.nn.Module], None]] | None = None,
+    pipeline: Callable[[int], Callable] | None = None,
 ) -> Layout:
     """Build the meshes of ``recipe``'s layout on the default process group (``dims``: the
     layout when already validated) and apply TP, EP, activation checkpointing and FSDP2 (bf16
     compute with ``train.dtype: bfloat16``) to ``objective`` in place; this rank's
     :class:`Layout`. ``filler()``: a function filling one materialised module's own
     parameters (:func:`qwen35_trainer.model.build.module_filler`), which megatron-fsdp
-    (``parallel.fsdp_backend: megatron``) calls as it materialises and shards the model."""
+    (``parallel.fsdp_backend: megatron``) calls as it materialises and shards the model.
+    ``pipeline(pp_rank)``: under ``parallel.pp > 1``, keeps the stages of that pipeline rank
+    and returns their builder (:func:`qwen35_trainer.model.pipeline.plan_pipeline`)."""
     init_distributed()  # one process without a group: its one-rank group (see .dist)
     dims = dims or validate_layout(recipe, world())
     meshes = dims.build(device.type)
+    stages = None
+    if meshes.pp is not None:  # this rank keeps its stages' modules only
+        if pipeline is None:
+            raise ValueError("parallel.pp > 1: parallelize needs the model's pipeline stages")
+        stages = pipeline(meshes.pp.get_local_rank())
     bf16 = recipe.train.dtype == "bfloat16"
     lora = recipe.model.lora is not None
     apply_parallelism(
@@ -273,6 +290,7 @@ def parallelize(
         fsdp_backend=recipe.parallel.fsdp_backend,
         filler=filler,
         device=device,
+        pipeline=stages,
     )
     return Layout.from_meshes(meshes)
 
@@ -305,6 +323,12 @@ def _frozen(param: torch.nn.Parameter) -> bool:
     return not param.requires_grad
 
 
+def _shard_stage(shard: Callable, stage: torch.nn.Module) -> None:
+    """FSDP2 on one pipeline stage, its units those of :data:`FSDP_UNITS` it holds."""
+    held = {type(m).__name__ for m in stage.modules()}
+    shard(stage, unit_modules=[unit for unit in FSDP_UNITS if unit in held])
+
+
 def apply_parallelism(
     objective: torch.nn.Module,
     meshes: Meshes,
@@ -318,13 +342,16 @@ def apply_parallelism(
     filler: Callable[[], Callable[[torch.nn.Module], None]] | None = None,
     device: torch.device | None = None,
     fsdp: bool = True,
+    pipeline: Callable | None = None,
 ) -> None:
     """TP (``sequence_parallel``: with SP), EP, activation checkpointing, then FSDP2 (or
     megatron-fsdp, ``fsdp_backend="megatron"``: materialised on ``device`` with
     ``filler()``, :func:`qwen35_trainer.parallel.megatron.shard_megatron`), in
     place, on ``meshes``; ``fsdp=False`` leaves the parameters unsharded (one LoRA process; only
     the modules it trains in full are wrapped, each its own unit, when they must be cast for
-    a bf16 compute).
+    a bf16 compute). ``pipeline(shard, pp_mesh, device)``: builds this rank's pipeline stages
+    (:func:`qwen35_trainer.model.pipeline.build_pipeline`), each sharded by ``shard`` (FSDP2,
+    its own root) and run by torch's schedule: ``objective.pipeline``.
 
     ``param_dtype``: FSDP2's compute dtype (bf16) for what trains, with fp32 sharded (master)
     parameters and fp32 gradient reduction; frozen parameters are gathered and computed as
@@ -381,15 +408,9 @@ def apply_parallelism(
         # what is frozen is gathered as stored: in the compute dtype already (a LoRA run's base,
         # store_frozen), or FP8, which a cast would turn into bf16 bytes
         mp = MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32, keep_dtype=_frozen)
-    if not fsdp:  # one LoRA process: only the modules it trains in full need casting
-        if mp is not None and trained:
-            shard = (MeshAxis.DP_SHARD, MeshAxis.CP)
-            shard_modules(trained, meshes.dense, shard_dims=shard, mixed_precision=mp,
-                          grad_reduction="sum")  # fmt: skip
-        return
-    shard_model(
-        objective,
-        meshes.dense,
+    shard = functools.partial(
+        shard_model,
+        mesh=meshes.dense,
         shard_dims=(MeshAxis.DP_SHARD, MeshAxis.CP),
         replicate_dims=(MeshAxis.DP_REPLICATE,) if dims.dp_replicate > 1 else (),
         unit_modules=list(FSDP_UNITS),
@@ -397,3 +418,12 @@ def apply_parallelism(
         expert_mesh=meshes.expert_fsdp if dims.ep > 1 else None,
         grad_reduction="sum",
     )
+    if pipeline is not None:
+        objective.pipeline = pipeline(functools.partial(_shard_stage, shard), meshes.pp, device)
+        return
+    if not fsdp:  # one LoRA process: only the modules it trains in full need casting
+        if mp is not None and trained:
+            shard_modules(trained, meshes.dense, shard_dims=(MeshAxis.DP_SHARD, MeshAxis.CP),
+                          mixed_precision=mp, grad_reduction="sum")  # fmt: skip
+        return
+    shard(objective)

@@ -3,7 +3,8 @@
 Degrees, named as in the recipe's ``parallel`` section: ``dp_replicate`` (HSDP replicas),
 ``dp`` (FSDP-sharded data-parallel ranks; its mesh dim is ``dp_shard``), ``cp``
 (context-parallel ranks sharing one packed row), ``tp`` (tensor-parallel ranks holding the same
-tokens) and ``ep`` (expert-parallel ranks). The world is ``dp_replicate * dp * cp * tp``; EP
+tokens), ``ep`` (expert-parallel ranks) and ``pp`` (pipeline stages). The world is
+``pp * dp_replicate * dp * cp * tp``; EP
 adds no ranks: it BORROWS them from the ``dp * cp`` ranks that hold different tokens (the rule
 of torchtitan's ParallelDims), so ``ep`` must divide ``dp * cp`` and the remaining factor
 ``efsdp = dp * cp / ep`` is the experts' FSDP dimension. ``data_groups = dp_replicate * dp``:
@@ -15,6 +16,9 @@ The meshes (built once by :meth:`ParallelDims.build`; nothing else in the traine
   views ``batch`` (dp_replicate × dp_shard × cp: the ranks holding different tokens, the loss
   group) and ``dp_shard_cp`` (the FSDP shard group of the dense parameters, replicated over
   ``dp_replicate`` for HSDP);
+- ``pp`` (``pp > 1``): the pipeline stages, OUTERMOST: every mesh above is built over one
+  stage's ranks (the slice of a ``(pp, ...)`` mesh at this rank's stage), so each stage is the
+  ``pp = 1`` layout of its own ranks and every existing layout is unchanged;
 - ``expert`` (``ep > 1``): ``(dp_replicate, efsdp, ep, tp)`` over the SAME ranks. Its rank grid
   is the dense grid with ``dp_shard`` split as ``(dp / e_dp, e_dp)`` and ``cp`` as
   ``(cp / e_cp, e_cp)`` where ``ep = e_dp * e_cp``, the EP factors moved inside:
@@ -58,18 +62,21 @@ class MeshAxis(enum.StrEnum):
     EFSDP = "efsdp"  # the experts' FSDP dim: dp * cp / ep
     EP = "ep"
     BATCH = "batch"  # flattened dp_replicate x dp_shard x cp: the loss group
+    PP = "pp"  # pipeline stages, the outermost dim (last here: the first four are ``dense``'s)
 
 
 @dataclasses.dataclass
 class Meshes:
     """Every mesh of a run. ``dense`` dims: dp_replicate, dp_shard, cp, tp; ``expert`` dims:
-    dp_replicate, efsdp, ep, tp (``None`` without EP); ``batch``: the loss group's 1-D mesh."""
+    dp_replicate, efsdp, ep, tp (``None`` without EP); ``batch``: the loss group's 1-D mesh;
+    ``pp``: the pipeline's 1-D mesh through this rank (``None`` without PP)."""
 
     dims: ParallelDims
     dense: DeviceMesh
     batch: DeviceMesh
     shard: DeviceMesh
     expert: DeviceMesh | None
+    pp: DeviceMesh | None = None
 
     @property
     def cp(self) -> DeviceMesh:
@@ -122,6 +129,7 @@ class ParallelDims(ParallelRecipe):
             "parallel.cp": self.cp,
             "parallel.tp": self.tp,
             "parallel.ep": self.ep,
+            "parallel.pp": self.pp,
         }
         bad = [
             f"{k} must be an integer >= 1, got {v!r}"
@@ -134,7 +142,7 @@ class ParallelDims(ParallelRecipe):
         ranks = self.world
         if ranks != self.launched:
             reasons.append(
-                f"parallel.dp_replicate={self.dp_replicate} x dp={self.dp} x "
+                f"parallel.pp={self.pp} x dp_replicate={self.dp_replicate} x dp={self.dp} x "
                 f"cp={self.cp} x tp={self.tp} = {ranks} ranks, but the launched world size "
                 f"(WORLD_SIZE) is {self.launched}: launch with `torchrun --nproc-per-node {ranks} "
                 "...` or change the degrees (EP borrows ranks, it adds none)"
@@ -202,22 +210,32 @@ class ParallelDims(ParallelRecipe):
         return grid.permute(0, 1, 3, 2, 4, 5).reshape(r, self.efsdp, self.ep, t)
 
     def build(self, device_type: str) -> Meshes:
-        """Every mesh (all ranks must call it: each dim creates its process groups)."""
+        """Every mesh (all ranks must call it: each dim creates its process groups). Under PP
+        each mesh is built over all stages (a leading ``pp`` dim) and sliced at this rank's."""
         _forget_earlier_meshes()
         a = MeshAxis
         names = (a.DP_REPLICATE, a.DP_SHARD, a.CP, a.TP)
         shape = (self.dp_replicate, self.dp, self.cp, self.tp)
-        dense = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        if self.pp == 1:
+            dense = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            staged = None
+        else:
+            staged = init_device_mesh(device_type, (self.pp, *shape), mesh_dim_names=(a.PP, *names))
+            dense = staged[names]
         batch = flatten_mesh(dense, (a.DP_REPLICATE, a.DP_SHARD, a.CP), a.BATCH)
         shard = flatten_mesh(dense, (a.DP_SHARD, a.CP))
         expert = None
-        if self.ep > 1:
+        expert_names = (a.DP_REPLICATE, a.EFSDP, a.EP, a.TP)
+        if self.ep > 1 and staged is None:
             expert = DeviceMesh(
-                device_type,
-                self.expert_grid(dense.mesh),
-                mesh_dim_names=(a.DP_REPLICATE, a.EFSDP, a.EP, a.TP),
+                device_type, self.expert_grid(dense.mesh), mesh_dim_names=expert_names
             )
-        return Meshes(self, dense, batch, shard, expert)
+        elif self.ep > 1:  # every stage's grid, so every rank makes the same groups
+            grids = torch.stack([self.expert_grid(ranks) for ranks in staged.mesh])
+            expert = DeviceMesh(device_type, grids, mesh_dim_names=(a.PP, *expert_names))
+            expert = expert[expert_names]
+        pp = None if staged is None else staged[a.PP]
+        return Meshes(self, dense, batch, shard, expert, pp)
 
     @classmethod
     def from_recipe(cls, parallel: ParallelRecipe, world: int) -> ParallelDims:

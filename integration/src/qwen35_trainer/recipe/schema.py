@@ -286,7 +286,15 @@ class ParallelRecipe:
     ``tp > 1``. ``async_tp``: overlap the TP all-gathers / reduce-scatters with the projections'
     matmuls (async-tp-linear and Inductor's micro-pipeline TP; needs SP, CUDA with NCCL, and
     compiles the blocks). ``fsdp_backend``: ``fsdp2`` or ``megatron`` (megatron-fsdp through
-    :func:`fsdp_compat.shard_model`; CUDA only)."""
+    :func:`fsdp_compat.shard_model`; CUDA only).
+
+    ``pp``: pipeline stages, the outermost dim: each stage's ranks form the layout above, so the
+    world is ``pp`` times it. ``pp_schedule``: one of torch's pipeline schedules
+    (:data:`qwen35_trainer.parallel.pipeline_split.PP_SCHEDULES`); ``pp_virtual_stages``: stages
+    per rank (interleaved schedules: 2 or more); ``pp_microbatches``: the schedule's
+    micro-batches, ``train.grad_accum_steps`` (``None``: that); ``pp_layers``: how many decoder
+    layers each of the ``pp * pp_virtual_stages`` stages holds, in order (``None``: balanced by
+    each layer's cost, :mod:`qwen35_trainer.parallel.pipeline_split`)."""
 
     dp: int = 1
     dp_replicate: int = 1
@@ -297,6 +305,11 @@ class ParallelRecipe:
     sequence_parallel: bool | None = None
     async_tp: bool = False
     fsdp_backend: str = "fsdp2"
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_microbatches: int | None = None
+    pp_layers: tuple[int, ...] | None = None
 
     @property
     def sp(self) -> bool:
@@ -307,18 +320,19 @@ class ParallelRecipe:
 
     @property
     def world(self) -> int:
-        """The ranks the layout needs: ``dp_replicate * dp * cp * tp``."""
-        return self.dp_replicate * self.dp * self.cp * self.tp
+        """The ranks the layout needs: ``pp * dp_replicate * dp * cp * tp``."""
+        return self.pp * self.dp_replicate * self.dp * self.cp * self.tp
 
     def filling(self, world: int, what: str) -> ParallelRecipe:
         """This layout with ``dp`` chosen so it fills ``world`` ranks (CP, EP, TP and HSDP
         replicas kept); ``ValueError`` naming ``what`` asked for it (``--nproc``,
         ``--world-size``) when no data-parallel degree does."""
-        per_dp = self.dp_replicate * self.cp * self.tp
+        per_dp = self.pp * self.dp_replicate * self.cp * self.tp
         if world < 1 or world % per_dp:
             raise ValueError(
-                f"{what} {world} is not a multiple of parallel.dp_replicate x cp x tp = "
-                f"{self.dp_replicate} x {self.cp} x {self.tp} = {per_dp} (kept fixed), so no "
+                f"{what} {world} is not a multiple of parallel.pp x dp_replicate x cp x tp = "
+                f"{self.pp} x {self.dp_replicate} x {self.cp} x {self.tp} = {per_dp} (kept "
+                "fixed), so no "
                 "data-parallel degree fills it"
             )
         return dataclasses.replace(self, dp=world // per_dp)

@@ -58,11 +58,12 @@ from qwen35_trainer.train.eval import evaluate
 from qwen35_trainer.train.export import ExportOptions, check_export_dir, export_model
 from qwen35_trainer.train.metrics import StepLog, peak_memory_mib
 from qwen35_trainer.train.nonfinite import NonFiniteGuard, NonFiniteStep
+from qwen35_trainer.train.pipeline_step import step_function
 from qwen35_trainer.train.preemption import Preempted, StopFlag
 from qwen35_trainer.train.resume import changed_on_resume, restore_data_state, resume_point
 from qwen35_trainer.train.run_folder import RunFolder, resolved_recipe
 from qwen35_trainer.train.schedule import lr_at, optimizer_name, set_lr
-from qwen35_trainer.train.step import total_loss, train_step
+from qwen35_trainer.train.step import total_loss
 from safe_optim import build_optimizer
 
 __all__ = ["Setup", "StepLog", "TrainResult", "setup", "start_processes", "train"]
@@ -252,7 +253,7 @@ def _steps(
         lr = lr_at(step, training)
         set_lr(optimizer, lr)
         micro, data = feed.step(step)
-        result = train_step(
+        result = step_function(objective)(
             objective,
             optimizer,
             micro,

@@ -31,9 +31,10 @@ from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.train.determinism import deterministic_mode
 from qwen35_trainer.train.loop import setup, start_processes
 from qwen35_trainer.train.nonfinite import global_sources
+from qwen35_trainer.train.pipeline_step import step_function
 from qwen35_trainer.train.resume import checkpoints_in, load_checkpoint, restore_data_state
 from qwen35_trainer.train.schedule import lr_at, set_lr
-from qwen35_trainer.train.step import total_loss, train_step
+from qwen35_trainer.train.step import total_loss
 
 __all__ = ["Replay", "layer_grad_norms", "logged_record", "replay"]
 
@@ -144,7 +145,7 @@ def _replay(recipe: Recipe, path: Path, step: int) -> Replay:
         set_lr(run.optimizer, lr_at(s, recipe.train))
         micro, data = feed.step(s)
         last = s + 1 == step
-        result = train_step(
+        result = step_function(run.objective)(
             run.objective,
             run.optimizer,
             micro,

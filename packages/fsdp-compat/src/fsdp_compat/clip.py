@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,13 +46,25 @@ def _check_max_norm(max_norm: float | None) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> float:
+def clip_grad_norm(
+    params: Iterable[torch.Tensor],
+    max_norm: float | None,
+    *,
+    across: Any = None,
+    device: torch.device | str | None = None,
+) -> float:
     """Scale the gradients of ``params`` so their total L2 norm is at most ``max_norm``.
 
     ``params`` may mix plain tensors and DTensors on any number of meshes (shards, replicas).
     ``max_norm=None`` (or ``inf``) only measures. Returns the total norm BEFORE clipping, the
     same float on every rank; a non-finite norm is returned and leaves the gradients
     unscaled (the caller decides to skip the step).
+
+    ``across``: a process group whose ranks hold OTHER parameters of the same model (pipeline
+    stages): their squared norms are summed over it (one all-reduce of a tensor on ``device``,
+    the group's device), so each parameter counts once in the total and every rank of the
+    group clips by the same norm. ``params`` then must be this rank's parameters only, each
+    mesh's shards counted once by its own reduction as usual.
 
     Raises:
         TypeError / ValueError: ``max_norm`` is not a positive number or ``None``.
@@ -70,6 +83,10 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> fl
             group.append(p.grad)
     grads = [g for group in groups.values() for g in group]
     total_sq = sum(float(_squared_norm(key, group)) for key, group in groups.items())
+    if across is not None:
+        summed = torch.tensor([total_sq], dtype=torch.float64, device=device)
+        dist.all_reduce(summed, group=across)
+        total_sq = float(summed)
     total = math.sqrt(total_sq)
     if max_norm is not None and math.isfinite(total):
         coef = max_norm / (total + 1e-6)

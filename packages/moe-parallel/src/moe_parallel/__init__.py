@@ -7,7 +7,13 @@ from moe_parallel.fp8 import BlockFormat, FP8Weight, dequantize, fp8_linear, qua
 from moe_parallel.fp8_experts import quantize_experts
 from moe_parallel.grouped import LoRAFactors, expert_swiglu
 from moe_parallel.lora import LoRASpec, add_expert_lora
-from moe_parallel.moe import MoE, MoEStats, load_balancing_loss
+from moe_parallel.moe import (
+    MoE,
+    MoEStats,
+    balancing_loss_of,
+    load_balancing_loss,
+    router_statistics,
+)
 from moe_parallel.tensor_parallel import apply_tensor_parallel, validate_tp_plan
 from moe_parallel.transformers import swap_moe_blocks
 
@@ -26,12 +32,14 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_expert_parallel",
     "apply_tensor_parallel",
+    "balancing_loss_of",
     "dequantize",
     "expert_swiglu",
     "fp8_linear",
     "load_balancing_loss",
     "quantize",
     "quantize_experts",
+    "router_statistics",
     "sdpa_preserving_context",
     "swap_moe_blocks",
     "validate_tp_plan",

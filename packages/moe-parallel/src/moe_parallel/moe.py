@@ -71,6 +71,18 @@ def load_balancing_loss(
     the group (as data parallelism does) gives the single-process gradient exactly; the sum of
     the shares (all-reduce) is the value to log.
     """
+    prob_sum_E, counts_E1 = router_statistics(router_logits_NE, top_k)
+    return balancing_loss_of(prob_sum_E, counts_E1, group=group)
+
+
+def router_statistics(
+    router_logits_NE: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prob_sum [E] fp32, differentiable; counts [E + 1] fp32: top-k assignments per expert,
+    then N)`` of router logits [N, E]. Both are sums over the rows, so the statistics of
+    several pieces of a batch (e.g. layers held by different pipeline stages) ADD to the
+    statistics of the pieces concatenated: :func:`balancing_loss_of` their sums equals
+    :func:`load_balancing_loss` of the concatenation."""
     num_experts = router_logits_NE.shape[-1]
     probs_NE = torch.softmax(router_logits_NE.float(), dim=-1)
     top_i = torch.topk(probs_NE, top_k, dim=-1).indices
@@ -80,11 +92,21 @@ def load_balancing_loss(
             torch.tensor([router_logits_NE.shape[0]], device=top_i.device),
         ]
     ).float()
+    return probs_NE.sum(0), counts_E1
+
+
+def balancing_loss_of(
+    prob_sum_E: torch.Tensor, counts_E1: torch.Tensor, *, group: Any = None
+) -> torch.Tensor:
+    """The load-balancing loss (share, with ``group``) of :func:`router_statistics`' sums:
+    ``counts_E1`` is summed over ``group`` (a copy; no gradient), ``prob_sum_E`` stays this
+    rank's (see :func:`load_balancing_loss`)."""
+    counts_E1 = counts_E1.detach().clone()
     if group is not None:
         dist.all_reduce(counts_E1, group=group)
     rows = counts_E1[-1].clamp(min=1)
     frac_E = counts_E1[:-1] / rows
-    return num_experts * torch.sum(frac_E * probs_NE.sum(0) / rows)
+    return prob_sum_E.shape[0] * torch.sum(frac_E * prob_sum_E / rows)
 
 
 class TopKRouter(nn.Module):

@@ -1,0 +1,229 @@
+"""A pipeline stage of the Qwen3.5 MoE-VLM: its decoder layers and, on the first stage, the
+embedding and the vision tower, on the last the final norm, ``lm_head``, the MTP head and the
+loss (:mod:`qwen35_trainer.parallel.pipeline_split` says which layers).
+
+The model keeps its whole module tree on every rank; what another stage holds is replaced by a
+parameterless :class:`Elsewhere` (:func:`keep_stages`), so this rank allocates, trains and
+checkpoints its own parameters only, under their transformers names: a checkpoint written at
+one ``pp`` is read at any other by name.
+
+What travels between stages, per micro-batch (torch's P2P buffers of fixed shapes):
+
+- ``index`` [1, 1] int64: which micro-batch of the step this is. Each stage reads that
+  micro-batch's packed row — its document boundaries, M-RoPE positions, labels — from the
+  step's inputs (:class:`StepInputs`; every stage rank builds the same micro-batches), so the
+  metadata travels with the micro-batch by construction: no stage can pair hidden states with
+  another micro-batch's boundaries;
+- ``hidden`` [1, T, H]: the residual stream after the stage's layers;
+- ``prob_sum`` [E] fp32 and ``counts`` [E + 1] fp32: the router statistics of every MoE layer so
+  far (:func:`moe_parallel.router_statistics`, summed; counts carry no gradient). They are sums
+  over layers, so the last stage holds the statistics of all layers concatenated and its
+  :func:`moe_parallel.balancing_loss_of` is transformers' load-balancing loss over every layer,
+  whose gradient reaches each stage's routers back through ``prob_sum``: no stage's aux loss
+  is lost or counted twice;
+- ``embeds`` [1, S, H] (with the MTP head): the whole row's input embeddings, made by the first
+  stage and read by the last (the MTP head's next-token embeddings).
+
+The layers run exactly as transformers' text model runs them (rotary embeddings of the row's
+positions, the packed varlen attention kwargs), so the stages compose to the one-process
+forward; the last stage's loss is the objective's (:mod:`qwen35_trainer.model.objective`) for
+that micro-batch: ``ce + aux_coef * aux / M + mtp_weight * mean(mtp)`` with the step's global
+label counts (the aux loss per micro-batch over ``M`` micro-batches, as the step without PP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from chunked_loss import linear_cross_entropy
+from cp_varlen_attn import shard_sequence
+from cp_varlen_attn.transformers import embed_packed_row
+from moe_parallel import balancing_loss_of, router_statistics
+from qwen35_trainer.data import IGNORE_INDEX
+from qwen35_trainer.data.batch import present_media
+from qwen35_trainer.model.build import moe_blocks
+from qwen35_trainer.model.mtp import mtp_shares
+from qwen35_trainer.model.objective import head_weights
+from qwen35_trainer.model.packed import dummy_vision
+
+__all__ = ["Elsewhere", "StageModule", "StepInputs", "keep_stages"]
+
+
+class Elsewhere(nn.Module):
+    """Stands where a module another pipeline stage holds would be: no parameters, and it
+    refuses to run."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.held_name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"{self.held_name} is held by another pipeline stage")
+
+
+def keep_stages(model: nn.Module, stage_layers: list[range], mine: list[int]) -> None:
+    """Replace, in place, every module of ``model`` that none of the stages ``mine`` holds by
+    :class:`Elsewhere` (module docstring)."""
+    text = model.model.language_model
+    held = {i for s in mine for i in stage_layers[s]}
+    for i in range(len(text.layers)):
+        if i not in held:
+            text.layers[i] = Elsewhere(f"model.language_model.layers.{i}")
+    if 0 not in mine:
+        text.embed_tokens = Elsewhere("model.language_model.embed_tokens")
+        model.model.visual = Elsewhere("model.visual")
+    if len(stage_layers) - 1 not in mine:
+        text.norm = Elsewhere("model.language_model.norm")
+        model.lm_head = Elsewhere("lm_head")
+        if hasattr(model, "mtp"):
+            model.mtp = Elsewhere("mtp")
+    if hasattr(model, "lora_trained"):  # the modules a LoRA run trains in full: this rank's
+        model.lora_trained = tuple(n for n in model.lora_trained if _held(model, n))
+
+
+def _held(model: nn.Module, name: str) -> bool:
+    try:
+        return not isinstance(model.get_submodule(name), Elsewhere)
+    except AttributeError:  # under a module another stage holds
+        return False
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """One step's micro-batches (``(batch, packed)`` each) and what the loss needs of the whole
+    step: the global valid-label count, each MTP depth's, the loss group and ``loss_of(ce,
+    aux, mtp)``, the weighted loss (:func:`qwen35_trainer.train.step.total_loss`)."""
+
+    micro: list
+    num_valid: int
+    num_mtp: tuple[int, ...]
+    loss_of: Callable[..., torch.Tensor]
+    loss_group: Any = None
+
+
+class StageModule(nn.Module):
+    """Stage ``index`` of ``count``: the model's ``layers`` (module docstring)."""
+
+    def __init__(
+        self, model: nn.Module, index: int, count: int, layers: range, *, loss_chunk_size: Any
+    ) -> None:
+        super().__init__()
+        self.index, self.first, self.last = index, index == 0, index == count - 1
+        text = model.model.language_model
+        self.layer_ids = list(layers)
+        self.layers = nn.ModuleList(text.layers[i] for i in layers)
+        if self.first:
+            self.embed_tokens, self.visual = text.embed_tokens, model.model.visual
+        if self.last:
+            self.norm, self.lm_head = text.norm, model.lm_head
+            if hasattr(model, "mtp"):
+                self.mtp = model.mtp
+        # not registered: the model's tree keeps the names; this stage only runs its parts
+        self._model = (model,)
+        self.blocks = [moe_blocks(layer) for layer in self.layers]
+        self.loss_chunk_size = loss_chunk_size
+        self.inputs: StepInputs | None = None
+        self.shares: list[tuple[torch.Tensor, ...]] = []  # the last stage's, per micro-batch
+        self.load: torch.Tensor | None = None  # [layers, E] tokens routed this step (fp32)
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model[0]
+
+    def forward(self, index_11: torch.Tensor, *received: torch.Tensor):
+        batch, packed = self.inputs.micro[int(index_11)]
+        vlm = self.model.model
+        rank = dist.get_rank(packed.group) if packed.group is not None else 0
+        layout = packed.layout
+        if self.first:
+            hidden, prob_sum, counts, embeds = self._embed(vlm, batch, packed, rank)
+        else:
+            hidden, prob_sum, counts, *rest = received
+            embeds = rest[0] if rest else None
+        tokens_N = shard_sequence(batch.attention_mask, layout, rank, dim=1).reshape(-1).bool()
+        hidden = self._layers(hidden, packed, rank)
+        loads = []
+        for block in (b for blocks in self.blocks for b in blocks):
+            p, c = router_statistics(block.stats.router_logits[tokens_N], block.top_k)
+            prob_sum, counts = prob_sum + p, counts + c
+            loads.append(c[:-1])
+        load = torch.stack(loads)  # the row's tokens only: its padding to capacity is routed too
+        self.load = load if self.load is None else self.load + load
+        if not self.last:
+            out = (index_11, hidden, prob_sum, counts)
+            return out if embeds is None else (*out, embeds.clone())
+        return self._loss(batch, packed, rank, hidden, prob_sum, counts, embeds)
+
+    def _embed(self, vlm: nn.Module, batch: Any, packed: Any, rank: int):
+        """The first stage's inputs: the whole row embedded (vision features in place), this
+        rank's tokens of it, and empty router statistics."""
+        row = {"input_ids": batch.input_ids, **present_media(batch)}
+        embeds = embed_packed_row(vlm, row)
+        experts = self.blocks[0][0].num_experts
+        prob_sum = torch.zeros(experts, device=embeds.device)
+        counts = torch.zeros(experts + 1, device=embeds.device)
+        hidden = shard_sequence(embeds, packed.layout, rank, dim=1)
+        if not batch.has_media:  # every rank runs the tower (objective.py's reason); adds 0
+            hidden = hidden + 0.0 * dummy_vision(vlm).sum().to(hidden.dtype)
+        return hidden, prob_sum, counts, embeds if hasattr(self.model, "mtp") else None
+
+    def _layers(self, hidden_BTH: torch.Tensor, packed: Any, rank: int) -> torch.Tensor:
+        """This stage's decoder layers, called as transformers' text model calls them."""
+        text = self.model.model.language_model
+        positions = shard_sequence(packed.position_ids, packed.layout, rank, dim=2)
+        text_positions = None
+        if positions.shape[0] == 4:
+            text_positions, positions = positions[0], positions[1:]
+        rope = text.rotary_emb(hidden_BTH, positions)
+        for layer in self.layers:
+            hidden_BTH = layer(
+                hidden_BTH,
+                position_embeddings=rope,
+                attention_mask=None,
+                position_ids=text_positions,
+                cache=None,
+                use_cache=False,
+                cp_layout=packed.layout,
+                cp_group=packed.group,
+            )
+        return hidden_BTH
+
+    def _loss(self, batch, packed, rank, hidden_BTH, prob_sum, counts, embeds):
+        """The last stage: the micro-batch's share of the step's loss (module docstring)."""
+        step = self.inputs
+        hidden_BTH = self.norm(hidden_BTH)
+        labels = torch.nn.functional.pad(batch.labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        labels_BT = shard_sequence(labels, packed.layout, rank, dim=1)
+        head = head_weights(self.lm_head, hidden_BTH.dtype)
+        ce = linear_cross_entropy(
+            hidden_BTH,
+            head.weight,
+            labels_BT,
+            bias=head.bias,
+            ignore_index=IGNORE_INDEX,
+            chunk_size=self.loss_chunk_size,
+            num_valid_tokens=step.num_valid,
+        )
+        aux = balancing_loss_of(prob_sum, counts, group=step.loss_group) / len(step.micro)
+        mtp = None
+        if embeds is not None:
+            mtp = mtp_shares(
+                self.mtp,
+                self.model.model.language_model,
+                head,
+                hidden_BTH,
+                embeds,
+                batch.labels,
+                packed,
+                step.num_mtp,
+                loss_group=step.loss_group,
+                chunk_size=self.loss_chunk_size,
+            ).ce
+        self.shares.append((ce.detach(), aux.detach(), None if mtp is None else mtp.detach()))
+        return step.loss_of(ce, aux, mtp)

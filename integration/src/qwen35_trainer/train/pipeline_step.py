@@ -1,0 +1,117 @@
+"""One optimizer step under pipeline parallelism (``parallel.pp > 1``): the same step as
+:func:`qwen35_trainer.train.step.train_step`, its micro-batches run through torch's schedule.
+
+Why it is the one-process step: the valid labels (and each MTP depth's targets) of EVERY
+micro-batch are counted before the schedule runs, over the loss group (every stage rank holds
+the same micro-batches, so each stage counts alike), and each micro-batch's loss on the last
+stage is its share of the step's loss with those global counts
+(:mod:`qwen35_trainer.model.stages`); torch backpropagates the shares unscaled. The gradient
+norm sums the stages' squared norms over the pipeline group (each parameter lives on one
+stage; within a stage each mesh counts its shards once), so clipping scales every stage by the
+same factor. The logged totals — cross-entropy, aux, MTP, FLOPs — are summed over the loss
+group and then the pipeline group (the stages that hold no loss add zeros; the FLOPs are the
+whole model's, so each stage adds ``1/pp`` of them), and the router loads are combined over
+the stages (the max over every layer's max/mean, the idle experts summed): every rank reports
+and decides on the same global numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from fsdp_compat import clip_grad_norm
+from qwen35_trainer.model.stages import StepInputs
+from qwen35_trainer.parallel import Layout
+from qwen35_trainer.train.step import (
+    StepResult,
+    all_reduce_loss_group,
+    count_targets,
+    micro_flops,
+    total_loss,
+    train_step,
+)
+
+__all__ = ["pipeline_step", "step_function"]
+
+
+def step_function(objective) -> Callable[..., StepResult]:
+    """The step a run takes: :func:`pipeline_step` under PP, else :func:`train_step`."""
+    return train_step if objective.pipeline is None else pipeline_step
+
+
+def pipeline_step(
+    objective,
+    optimizer,
+    micro,
+    layout: Layout,
+    *,
+    aux_coef: float,
+    grad_clip: float | None,
+    device: torch.device,
+    mtp_weight: float = 0.0,
+    before_clip: Callable[[], None] | None = None,
+) -> StepResult:
+    """Forward and backward of every micro-batch through this rank's stages, clip, optimizer
+    step, zero the gradients (``train_step``'s contract, module docstring)."""
+    pipe = objective.pipeline
+    num_valid, num_mtp = count_targets(micro, layout, device, objective.mtp_depth)
+    loss_of = functools.partial(total_loss, aux_coef=aux_coef, mtp_weight=mtp_weight)
+    pipe.run(StepInputs(micro, num_valid, num_mtp, loss_of, layout.loss_group))
+    if before_clip is not None:
+        before_clip()
+    grad_norm = clip_grad_norm(objective.parameters(), grad_clip, across=pipe.group, device=device)
+    depth = objective.mtp_depth
+    ce, aux, mtp = _last_stage_sums(pipe.last, depth, device)
+    flops = micro_flops(objective.model.config, micro, layout) / dist.get_world_size(pipe.group)
+    totals = torch.cat([torch.stack([ce, aux, torch.tensor(flops, device=device)]), mtp])
+    totals = all_reduce_loss_group(totals.double(), layout)
+    dist.all_reduce(totals, group=pipe.group)
+    losses = torch.cat([totals[:2], totals[3:]])
+    applied = math.isfinite(grad_norm) and bool(losses.isfinite().all())
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    peak, idle = _router_load(pipe, layout, device)
+    cp_imbalance = max(p.layout.compute_imbalance for _, p in micro)
+    return StepResult(
+        ce=float(totals[0]),
+        aux=float(totals[1]),
+        grad_norm=grad_norm,
+        tokens=num_valid,
+        expert_load_max_over_mean=peak,
+        experts_idle=idle,
+        cp_imbalance=float(cp_imbalance),
+        flops=float(totals[2]),
+        applied=applied,
+        mtp=tuple(float(x) for x in totals[3:]),
+    )
+
+
+def _last_stage_sums(last, depth: int, device: torch.device):
+    """This rank's sums of the micro-batches' (ce, aux, mtp [D]) shares: the last stage's, or
+    zeros on the other stages."""
+    ce = aux = torch.zeros((), device=device)
+    mtp = torch.zeros(depth, device=device)
+    for c, a, m in last.shares if last is not None else ():
+        ce, aux = ce + c, aux + a
+        if m is not None:
+            mtp = mtp + m
+    return ce, aux, mtp
+
+
+def _router_load(pipe, layout: Layout, device: torch.device) -> tuple[float, int]:
+    """``(max over every layer of max/mean tokens per expert, experts idle in every layer)``
+    of the step, over the loss group and the stages."""
+    load = torch.cat([m.load for m in pipe.modules])  # [this rank's layers, E]
+    load = all_reduce_loss_group(load, layout).float()
+    mean = load.mean(dim=1).clamp(min=1e-9)
+    peak = (load.max(dim=1).values / mean).max().reshape(1).to(device)
+    idle = (load == 0).sum().reshape(1).to(device=device, dtype=torch.float32)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=pipe.group)
+    dist.all_reduce(idle, group=pipe.group)
+    return float(peak), int(idle)
