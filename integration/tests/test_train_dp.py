@@ -30,6 +30,7 @@ other way round.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,7 +49,16 @@ from dist_checks import (
 )
 from fp8_dist_checks import check_fp8_equals_one_process
 from fp8_fixtures import export_base, fp8_checkpoint
-from train_layouts import COMPARE, LAYOUTS, REPEATS, RESUMED, RESUMED_AT_2, VARIANTS
+from pp_checks import check_pipeline_equals_one_process, pp_resume_in_one_process
+from train_layouts import (
+    COMPARE,
+    LAYOUTS,
+    PP_RESUMED,
+    REPEATS,
+    RESUMED,
+    RESUMED_AT_2,
+    VARIANTS,
+)
 
 from dist_testkit import named_check, run_checks
 from qwen35_trainer import train
@@ -63,6 +73,8 @@ def _check_of(layout: str):
         return check_async_tp_equals_one_process
     if "fp8" in layout:
         return check_fp8_equals_one_process
+    if layout.startswith("pp"):
+        return check_pipeline_equals_one_process
     return check_training_equals_one_process
 
 
@@ -87,12 +99,21 @@ def references(fp8_base):
 
 
 @pytest.fixture(scope="module")
+def one_process_pp_checkpoint(tmp_path_factory):
+    """The one-process run of the ``pp_mtp`` variant stopped after step 1: its checkpoint
+    folder (a PP run resumes from it)."""
+    folder = tmp_path_factory.mktemp("one_process_pp")
+    train(layout_recipe(1, *VARIANTS["pp_mtp"], f"train.checkpoint_dir={folder}", "train.steps=1"))
+    return folder
+
+
+@pytest.fixture(scope="module")
 def reference(references):
     return references["base"]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def launch(request, references, fp8_base, tmp_path_factory):
+def launch(request, references, fp8_base, one_process_pp_checkpoint, tmp_path_factory):
     world = request.param
     exported = tmp_path_factory.mktemp(f"export_world{world}")
     megatron_exported = tmp_path_factory.mktemp(f"megatron_export_world{world}")
@@ -105,6 +126,11 @@ def launch(request, references, fp8_base, tmp_path_factory):
         "ac": str(world == 4).lower(),
         "fp8": fp8_base,
     }
+    resume_dirs = {
+        name: str(tmp_path_factory.mktemp(f"{name}_world{world}"))
+        for name in RESUMED | PP_RESUMED
+        if world in LAYOUTS[name][2]
+    }
     checks = {
         name: named_check(
             f"{name}@{world}",
@@ -112,7 +138,8 @@ def launch(request, references, fp8_base, tmp_path_factory):
             tuple(o.format(**fill) for o in overrides),
             *references[variant],
             COMPARE.get(variant),
-            *([str(tmp_path_factory.mktemp(name))] if name in RESUMED else []),
+            *([resume_dirs[name]] if name in resume_dirs else []),
+            *([str(one_process_pp_checkpoint)] if name in PP_RESUMED else []),
         )
         for name, (overrides, variant, worlds) in LAYOUTS.items()
         if world in worlds
@@ -161,7 +188,7 @@ def launch(request, references, fp8_base, tmp_path_factory):
                 name, check_runs_repeat, str(tmp_path_factory.mktemp(name)), overrides
             )
     report = run_checks(list(checks.values()), world, timeout=900)
-    return checks, report, saved, (exported, megatron_exported)
+    return checks, report, saved, (exported, megatron_exported), resume_dirs
 
 
 @pytest.mark.parametrize(
@@ -177,17 +204,29 @@ def launch(request, references, fp8_base, tmp_path_factory):
     ],
 )
 def test_layout_equals_one_process(launch, layout):
-    checks, report, _, _ = launch
+    checks, report, *_ = launch
     if layout not in checks:
         worlds = LAYOUTS[layout][2] if layout in LAYOUTS else (2 if layout in RESUMED_AT_2 else 4)
         pytest.skip(f"{layout} runs at world {worlds}")
     report.assert_passed(checks[layout])
 
 
+def test_checkpoint_of_a_pipeline_run_resumes_in_one_process(launch, references, tmp_path):
+    """The step-1 checkpoint written by the PP 2 ranks (each its stages' parameters and Adam
+    state), resumed by ONE process (read by name): steps 2..3 and the final parameters equal
+    the uninterrupted run."""
+    checks, report, *_, resume_dirs = launch
+    if "pp2_1f1b_ac" not in checks:
+        pytest.skip("the PP 2 run is at world 2")
+    report.assert_passed(checks["pp2_1f1b_ac"])
+    saved = Path(resume_dirs["pp2_1f1b_ac"])
+    pp_resume_in_one_process(saved, tmp_path, VARIANTS["pp_mtp"], references["pp_mtp"])
+
+
 def test_checkpoint_of_a_sharded_run_resumes_in_one_process(launch, reference, tmp_path):
     """The step-1 checkpoint written by the EP 2 + FSDP2 ranks, resumed by ONE process (DCP
     re-shards on load): steps 2..3 and the final parameters equal the uninterrupted run."""
-    checks, report, saved, _ = launch
+    checks, report, saved, *_ = launch
     report.assert_passed(checks["resume"])
     shutil.copytree(saved / "step_000001", tmp_path / "step_000001")
     result = train(layout_recipe(1, f"train.checkpoint_dir={tmp_path}"))
@@ -203,7 +242,7 @@ def test_export_of_a_sharded_run_loads_in_transformers(launch, references, layou
     if layout not in launch[0]:
         pytest.skip(f"{layout} runs at world {LAYOUTS[layout][2]}")
     reference = references[LAYOUTS[layout][1]]
-    checks, report, _, (fsdp2_export, megatron_export) = launch
+    checks, report, _, (fsdp2_export, megatron_export), _ = launch
     report.assert_passed(checks[layout])
     exported = megatron_export if layout.startswith("megatron") else fsdp2_export
     loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(exported)

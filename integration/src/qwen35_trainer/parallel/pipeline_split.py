@@ -17,15 +17,24 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PP_SCHEDULES", "balanced_split", "pipeline_refusals", "stages_of_rank"]
+__all__ = [
+    "PP_SCHEDULES",
+    "ZERO_BUBBLE",
+    "balanced_split",
+    "pipeline_refusals",
+    "stages_of_rank",
+]
 
 # the recipe's names -> torch.distributed.pipelining's classes, and the stages per rank each runs
 PP_SCHEDULES = {
     "gpipe": ("ScheduleGPipe", "single"),
     "1f1b": ("Schedule1F1B", "single"),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", "multi"),
-    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "multi"),
 }
+# torch's zero-bubble schedules split each backward into the inputs' gradients, then the
+# weights' from the retained graph: the last stage's fused cross-entropy (its gradients made
+# in the forward, chunked-loss) refuses a second backward, so these are not offered yet
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 
 
 def pipeline_refusals(recipe: Any, text_config: Any | None) -> list[str]:
@@ -41,7 +50,13 @@ def pipeline_refusals(recipe: Any, text_config: Any | None) -> list[str]:
     reasons = []
     kind = PP_SCHEDULES.get(p.pp_schedule, (None, None))[1]
     v = p.pp_virtual_stages
-    if kind is None:
+    if p.pp_schedule in ZERO_BUBBLE:
+        reasons.append(
+            f"parallel.pp_schedule={p.pp_schedule} (zero bubble) is not built yet: it "
+            "backpropagates each stage twice (input, then weight gradients), which the fused "
+            "cross-entropy of the last stage refuses; use 1f1b or interleaved_1f1b"
+        )
+    elif kind is None:
         reasons.append(
             f"parallel.pp_schedule must be one of {tuple(PP_SCHEDULES)}, got {p.pp_schedule!r}"
         )

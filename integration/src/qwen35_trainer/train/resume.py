@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_compat import dcp_ready
+from qwen35_trainer.model.stages import Elsewhere
 from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.parallel.dist import all_ranks, rank, world
 from qwen35_trainer.train.integrity import DAMAGED, Verdict, verify
@@ -165,21 +166,31 @@ def _same_on_every_rank(checkpoint_dir, found: list[tuple[int, Path]]) -> None:
 # A checkpoint holds what trains: the frozen weights of a LoRA run are the base checkpoint's
 # (``model.path``, named by the recipe saved beside), read again when the run is built. Loading
 # sets the trained parameters only (every one of them must be in the checkpoint: DCP's read
-# fails on a missing one before anything is set).
-SAVED = StateDictOptions(ignore_frozen_params=True)
-LOADED = StateDictOptions(ignore_frozen_params=True, strict=False)
+# fails on a missing one before anything is set). The optimizer state is keyed by parameter
+# name throughout (flattened: each parameter's hyperparameters under its own name, not one
+# param-group list per rank), so pipeline stages, which hold different parameters, write
+# disjoint keys and any ``pp`` reads them; a checkpoint written before (one list per group,
+# ``optim.param_groups.0...``) is still read in its own form.
+SAVED = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True)
+LOADED = StateDictOptions(
+    ignore_frozen_params=True, strict=False, flatten_optimizer_state_dict=True
+)
+SAVED_NESTED = StateDictOptions(ignore_frozen_params=True)
+LOADED_NESTED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple:
+def sharded_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, options: Any = SAVED
+) -> tuple:
     """``(model state, optimizer state)`` by parameter name (no optimizer: ``None``) — the
     parameters that train, :data:`SAVED` —, their DTensors describing their true blocks for
     DCP (megatron-fsdp's uneven shards included, :func:`fsdp_compat.dcp_ready`; megatron-fsdp's
     own hooks put its distributed parameters in place for ``state_dict`` and install the loaded
     ones for compute after ``load_state_dict``)."""
     if optimizer is None:
-        model_state, optim_state = get_model_state_dict(model, options=SAVED), None
+        model_state, optim_state = get_model_state_dict(model, options=options), None
     else:
-        model_state, optim_state = get_state_dict(model, optimizer, options=SAVED)
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
     dcp_ready(_sharded(model), model_state, *([optim_state] if optim_state else []))
     return model_state, optim_state
 
@@ -188,9 +199,19 @@ def _sharded(model: nn.Module) -> nn.Module:
     return getattr(model, "megatron", None) or model
 
 
-def _check_model_shapes(path: Path, reader: SafeReader, model_state: dict) -> None:
+def _elsewhere(model: nn.Module) -> tuple[str, ...]:
+    """The name prefixes of the modules other pipeline stages hold (none without PP)."""
+    return tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, Elsewhere))
+
+
+def _check_model_shapes(
+    path: Path, reader: SafeReader, model_state: dict, elsewhere: tuple[str, ...] = ()
+) -> None:
     """``ValueError`` naming every model tensor whose shape differs from the checkpoint's, or
-    that only one side has (the same verdict on every rank: global shapes, shared metadata)."""
+    that only one side has (the same verdict on every rank: global shapes, shared metadata).
+    ``elsewhere``: the prefixes of what other pipeline stages hold: a checkpoint tensor under
+    one is theirs to read, not missing here (the stages partition the model, so every
+    checkpoint tensor is still checked by exactly one stage)."""
     saved = {
         fqn.removeprefix("model."): tuple(meta.size)
         for fqn, meta in reader.read_metadata().state_dict_metadata.items()
@@ -203,7 +224,11 @@ def _check_model_shapes(path: Path, reader: SafeReader, model_state: dict) -> No
         if name in saved and saved[name] != shape
     ]
     problems += [f"{name}: in this model, not in the checkpoint" for name in ours.keys() - saved]
-    problems += [f"{name}: in the checkpoint, not in this model" for name in saved.keys() - ours]
+    problems += [
+        f"{name}: in the checkpoint, not in this model"
+        for name in saved.keys() - ours
+        if not name.startswith(elsewhere)
+    ]
     if problems:
         more = f" ... and {len(problems) - 5} more" if len(problems) > 5 else ""
         raise ValueError(
@@ -212,10 +237,20 @@ def _check_model_shapes(path: Path, reader: SafeReader, model_state: dict) -> No
         )
 
 
-def _read(path: Path, state: dict, *, partial: bool = False) -> None:
+def _nested_optimizer(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` keeps its optimizer's param groups as a list (written
+    before the state was keyed by parameter name, :data:`SAVED`)."""
+    keys = SafeReader(str(path)).read_metadata().state_dict_metadata
+    return any(key.startswith("optim.param_groups.0.") for key in keys)
+
+
+def _read(
+    path: Path, state: dict, *, partial: bool = False, elsewhere: tuple[str, ...] = ()
+) -> None:
     """``state`` filled in place from the DCP checkpoint at ``path``: safe metadata and model
-    shapes checked first; ``partial``: only the items ``state`` names."""
-    _check_model_shapes(path, SafeReader(str(path)), state["model"])
+    shapes checked first (``elsewhere``: :func:`_check_model_shapes`); ``partial``: only the
+    items ``state`` names."""
+    _check_model_shapes(path, SafeReader(str(path)), state["model"], elsewhere)
     try:
         with one_process_is_intended():
             dcp.load(
@@ -246,7 +281,7 @@ def load_model_weights(path: str | Path, model: nn.Module, *, checksums: bool = 
     re-shards), verified first; returns its finished steps."""
     path = _verified(path, checksums)
     state = {"model": sharded_state(model, None)[0], "step": torch.tensor(0)}
-    _read(path, state, partial=True)
+    _read(path, state, partial=True, elsewhere=_elsewhere(model))
     set_model_state_dict(model, state["model"], options=LOADED)
     return int(state["step"])
 
@@ -262,15 +297,16 @@ def load_checkpoint(
     """Restore ``model`` and ``optimizer`` in place from ``path``, verified first unless the
     caller already did (``verified``); returns the finished steps."""
     path = Path(path) if verified else _verified(path, checksums)
-    model_state, optim_state = sharded_state(model, optimizer)
+    nested = _nested_optimizer(path)
+    model_state, optim_state = sharded_state(model, optimizer, SAVED_NESTED if nested else SAVED)
     state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
-    _read(path, state)
+    _read(path, state, elsewhere=_elsewhere(model))
     set_state_dict(
         model,
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
-        options=LOADED,
+        options=LOADED_NESTED if nested else LOADED,
     )
     return int(state["step"])
 

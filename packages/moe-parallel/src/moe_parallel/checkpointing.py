@@ -141,7 +141,9 @@ def apply_activation_checkpointing(
         if not any(p.requires_grad for p in owner.parameters()):
             continue
         for i, block in enumerate(blocks):
-            if isinstance(block, CheckpointWrapper):
+            # a block without parameters (a pipeline stage's placeholder for a block another
+            # stage holds) computes nothing to recompute
+            if isinstance(block, CheckpointWrapper) or next(block.parameters(), None) is None:
                 continue
             blocks[i] = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=True)
             wrapped.append(f"{name}.{i}")

@@ -1,0 +1,66 @@
+"""Pipeline-parallel checks run on every rank of test_train_dp.py's gloo launches: each rank
+holds its stages' parameters only, so the final state is compared name by name with the
+one-process run's, and the ranks' names together must be all of them."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+from dist_checks import FIELDS, assert_same_run, layout_recipe
+
+from qwen35_trainer import train
+
+__all__ = ["check_pipeline_equals_one_process", "pp_resume_in_one_process"]
+
+
+def check_pipeline_equals_one_process(
+    overrides, reference_logs, reference_state, compare=None, resume_dir=None, from_one=None
+) -> None:
+    """The PP layout ``overrides`` equals one process over 3 steps (losses, gradient norms, every
+    parameter). With ``resume_dir``: also stopped after step 1 and resumed at the same layout;
+    with ``from_one``: also resumed from the ONE-process step-1 checkpoint in that folder (its
+    stages' parameters and Adam state read by name): both equal the uninterrupted run."""
+    world = dist.get_world_size()
+    compare = compare or {}
+    result = train(layout_recipe(world, *overrides))
+    assert_stage_state(result, reference_logs, reference_state, compare)
+    later = reference_logs[1:]
+    if resume_dir is not None:
+        stop = (*overrides, f"train.checkpoint_dir={resume_dir}")
+        train(layout_recipe(world, *stop, "train.steps=1"))
+        assert_stage_state(train(layout_recipe(world, *stop)), later, reference_state, compare)
+    if from_one is not None:
+        copy = Path(f"{from_one}_pp{world}")
+        if dist.get_rank() == 0:  # the resumed run writes its own checkpoints beside it
+            shutil.copytree(Path(from_one) / "step_000001", copy / "step_000001")
+        dist.barrier()
+        resumed = train(layout_recipe(world, *overrides, f"train.checkpoint_dir={copy}"))
+        assert_stage_state(resumed, later, reference_state, compare)
+
+
+def assert_stage_state(result, reference_logs, reference_state, compare) -> None:
+    """:func:`assert_same_run` on this rank's parameters; the ranks' names cover the model."""
+    state = result.objective.model.state_dict()
+    assert_same_run(
+        result.logs,
+        reference_logs,
+        state,
+        {name: reference_state[name] for name in state},
+        **compare,
+    )
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(state))
+    held = set().union(*map(set, names))
+    assert held == set(reference_state), sorted(held ^ set(reference_state))
+
+
+def pp_resume_in_one_process(saved: Path, tmp: Path, variant, reference, compare=None) -> None:
+    """The step-1 checkpoint a PP run wrote, resumed by ONE process: steps 2..3 and the final
+    parameters equal the uninterrupted run."""
+    shutil.copytree(saved / "step_000001", tmp / "step_000001")
+    result = train(layout_recipe(1, *variant, f"train.checkpoint_dir={tmp}"))
+    fields = (compare or {}).get("fields", FIELDS)
+    state = result.objective.model.state_dict()
+    assert_same_run(result.logs, reference[0][1:], state, reference[1], fields=fields)
