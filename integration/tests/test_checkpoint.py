@@ -142,3 +142,23 @@ def test_async_checkpoints_hold_the_state_of_their_step(tmp_path):
     assert [log.step for log in resumed.logs] == [3, 4]
     for ours, ref in zip(resumed.logs, straight.logs[2:], strict=True):
         assert (ours.loss, ours.grad_norm) == (ref.loss, ref.grad_norm)
+
+
+def test_a_checkpoint_with_param_group_lists_still_resumes(tmp_path, monkeypatch):
+    """Checkpoints are keyed by parameter name (any ``pp`` reads them); one written before, with
+    the optimizer's param groups as lists (``optim.param_groups.0...``), still resumes exactly."""
+    import functools
+
+    from qwen35_trainer.train import checkpoint, resume
+
+    straight = train(tiny("train.steps=2"))
+    nested = functools.partial(resume.sharded_state, options=resume.SAVED_NESTED)
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoint, "sharded_state", nested)
+        train(tiny("train.steps=1", f"train.checkpoint_dir={tmp_path}"))
+    assert resume._nested_optimizer(tmp_path / "step_000001")
+    resumed = train(tiny("train.steps=2", f"train.checkpoint_dir={tmp_path}"))
+    assert [(log.loss, log.grad_norm) for log in resumed.logs] == [
+        (log.loss, log.grad_norm) for log in straight.logs[1:]
+    ]
+    assert not resume._nested_optimizer(tmp_path / "step_000002")  # written by name

@@ -221,6 +221,11 @@ def plan(
             "weights beside bf16 ones) only as it materialises each unit on a real device "
             "(qwen35_trainer.parallel.megatron); plan the same layout with fsdp2"
         )
+    if p.pp > 1:
+        raise ValueError(
+            "the planner does not plan parallel.pp > 1 yet (per-stage memory, the schedule's "
+            "micro-batches in flight and its bubble are not counted); plan parallel.pp=1"
+        )
     world = world_size or p.world
     if world != p.world:
         recipe = dataclasses.replace(recipe, parallel=p.filling(world, "--world-size"))

@@ -9,7 +9,9 @@ import time
 
 import torch
 
+from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.kernels import Kernels
+from qwen35_trainer.model.pipeline import stage_layers
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.train.metrics import StepLog
 
@@ -44,6 +46,16 @@ def what_runs(recipe: Recipe, world: int, device: torch.device, kernels: Kernels
         f"{'on' if training.deterministic else 'off'}; compiled blocks {compiled}",
         kernels.line(),
     ]
+    if p.pp > 1:
+        split = stage_layers(recipe, build_config(recipe.model))
+        layers = ", ".join(f"{r.start}-{r.stop - 1}" for r in split)
+        lines.insert(
+            1,
+            f"pipeline: pp {p.pp} x {p.pp_virtual_stages} stage(s) per rank, "
+            f"{p.pp_schedule} over {training.grad_accum_steps} micro-batches; decoder layers "
+            f"per stage {layers} (the first with the vision tower and embeddings, the last with "
+            "the head, MTP and loss)",
+        )
     weights = _weights_line(recipe)
     if weights:
         lines.append(weights)

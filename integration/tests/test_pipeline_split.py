@@ -1,0 +1,115 @@
+"""Pipeline parallelism before any rank starts: the stage split (balanced against a brute-force
+search, or the recipe's own), the stage placement, and one message for every layout PP cannot
+run (launcher-side: no worker starts). The runs themselves are test_train_dp.py's ``pp*``
+layouts, each against one process."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from helpers import tiny
+
+from qwen35_trainer import cli, validate_layout
+from qwen35_trainer.cli import main
+from qwen35_trainer.model import build_config
+from qwen35_trainer.model.flops import layer_costs
+from qwen35_trainer.model.pipeline import stage_layers
+from qwen35_trainer.parallel.pipeline_split import balanced_split, stages_of_rank
+
+PP2 = ("parallel.pp=2", "data.packing=true", "data.pack_length=256", "train.grad_accum_steps=2")
+
+
+def _brute_force(costs, stages, first, last):
+    """The least possible most expensive stage over every way to cut ``costs`` in order."""
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = (0, *cuts, len(costs))
+        loads = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+        loads[0] += first
+        loads[-1] += last
+        best = min(best, max(loads))
+    return best
+
+
+def test_balanced_split_is_the_best_contiguous_split():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        stages = rng.randint(1, n)
+        costs = [rng.choice([1.0, 3.0, rng.random() * 5]) for _ in range(n)]
+        first, last = rng.random() * 6, rng.random() * 6
+        counts = balanced_split(costs, stages, first, last)
+        assert len(counts) == stages and sum(counts) == n and min(counts) >= 1
+        bounds = list(itertools.accumulate([0, *counts]))
+        loads = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+        loads[0] += first
+        loads[-1] += last
+        assert max(loads) == pytest.approx(_brute_force(costs, stages, first, last))
+
+
+def test_the_cost_model_tells_the_layer_kinds_apart():
+    """Full attention grows with the row, Gated DeltaNet does not: at a long row the tiny model's
+    full-attention layer costs more than its DeltaNet layers, whose costs are equal."""
+    config = build_config(tiny().model)
+    costs, tower, head = layer_costs(config, 65536)
+    kinds = config.text_config.layer_types
+    delta = {c for c, k in zip(costs, kinds, strict=True) if k == "linear_attention"}
+    full = [c for c, k in zip(costs, kinds, strict=True) if k == "full_attention"]
+    assert len(delta) == 1 and full[0] > next(iter(delta)) and tower > 0 and head > 0
+
+
+def test_stage_layers_default_explicit_and_placement():
+    recipe = tiny(*PP2, "parallel.dp=1", "parallel.cp=1", "parallel.ep=1")
+    config = build_config(recipe.model)
+    split = stage_layers(recipe, config)
+    assert [len(r) for r in split] and sum(len(r) for r in split) == 4
+    assert [r.start for r in split] == [0, split[0].stop]
+    mine = tiny(
+        *PP2, "parallel.dp=1", "parallel.cp=1", "parallel.ep=1", "parallel.pp_layers=[3, 1]"
+    )
+    assert stage_layers(mine, config) == [range(0, 3), range(3, 4)]
+    assert stages_of_rank(1, pp=2, virtual=2) == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("parallel.pp_layers=[3, 3]",), "parallel.pp_layers=[3, 3] sums to 6, not the 4 layers"),
+        (("parallel.pp_layers=[4]",), "parallel.pp_layers must list 2 layer counts"),
+        (("parallel.pp=5", "train.grad_accum_steps=5"), "4 decoder layers, fewer than"),
+        (("train.grad_accum_steps=1",), "1f1b needs at least parallel.pp=2 micro-batches"),
+        (("parallel.pp_schedule=looped",), "parallel.pp_schedule must be one of"),
+        (("parallel.pp_schedule=interleaved_zb",), "(zero bubble) is not built yet"),
+        (("parallel.pp_virtual_stages=2",), "runs one stage per rank"),
+        (("parallel.pp_schedule=interleaved_1f1b",), "pp_virtual_stages must be >= 2"),
+        (("parallel.pp_microbatches=4",), "must equal train.grad_accum_steps=2"),
+        (("data.packing=false",), "needs data.packing with data.pack_length"),
+        (("parallel.tp=2",), "parallel.tp > 1 with parallel.pp > 1 is not built yet"),
+        (("train.eval_every=1",), "train.eval_every with parallel.pp > 1 is not built yet"),
+    ],
+)
+def test_layouts_pipelines_cannot_run_are_refused(sets, message):
+    recipe = tiny(*PP2, "parallel.dp=1", "parallel.cp=1", "parallel.ep=1", *sets)
+    config = build_config(recipe.model)
+    with pytest.raises(ValueError, match="invalid parallel layout") as err:
+        validate_layout(recipe, recipe.parallel.world, config=config, on_this_machine=False)
+    assert message in str(err.value)
+
+
+def test_pipeline_refusals_come_before_any_worker_starts(capsys, monkeypatch):
+    """``pp`` not dividing the launch, and a schedule short of micro-batches: one message from
+    the launching process."""
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(cli, "launch", no_workers)
+    assert main(["tiny", "--set", "parallel.pp=3", "--set", "train.eval_every=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("qwen35-train:") == 1 and "needs at least parallel.pp=3" in err
+    monkeypatch.setenv("WORLD_SIZE", "6")  # as if launched: 6 ranks for a layout of 2 x 4
+    assert main(["tiny", "--set", "parallel.pp=2", "--set", "train.grad_accum_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pp=2 x dp_replicate=1 x dp=2 x cp=2 x tp=1 = 8 ranks" in err
