@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 from helpers import tiny
 
-from qwen35_trainer import cli, validate_layout
+from qwen35_trainer import cli, load_recipe, validate_layout
 from qwen35_trainer.cli import main
 from qwen35_trainer.model import build_config
 from qwen35_trainer.model.flops import layer_costs
@@ -113,3 +114,18 @@ def test_pipeline_refusals_come_before_any_worker_starts(capsys, monkeypatch):
     assert main(["tiny", "--set", "parallel.pp=2", "--set", "train.grad_accum_steps=2"]) == 2
     err = capsys.readouterr().err
     assert "parallel.pp=2 x dp_replicate=1 x dp=2 x cp=2 x tp=1 = 8 ranks" in err
+
+
+def test_the_readme_pipeline_example_is_a_valid_layout(tmp_path):
+    """The README's ``parallel.pp`` block on the 397B recipe: a layout the launcher accepts."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Pipeline parallelism", 1)[1]
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    base = Path(__file__).parents[2] / "recipes" / "qwen3_5_397b_a17b.yaml"
+    (tmp_path / "pp.yaml").write_text(f"base: {base}\n{block}")
+    recipe = load_recipe(tmp_path / "pp.yaml")
+    config = build_config(recipe.model)
+    dims = validate_layout(recipe, recipe.parallel.world, config=config, on_this_machine=False)
+    assert (dims.pp, dims.world) == (4, 32)
+    split = stage_layers(recipe, config)
+    assert len(split) == 4 and sum(map(len, split)) == config.text_config.num_hidden_layers

@@ -187,7 +187,7 @@ def launch(request, references, fp8_base, one_process_pp_checkpoint, tmp_path_fa
             checks[name] = named_check(
                 name, check_runs_repeat, str(tmp_path_factory.mktemp(name)), overrides
             )
-    report = run_checks(list(checks.values()), world, timeout=900)
+    report = run_checks(list(checks.values()), world, timeout=1200)
     return checks, report, saved, (exported, megatron_exported), resume_dirs
 
 

@@ -362,6 +362,20 @@ LAYOUTS |= {
     "pp2_lora_gpipe": ((*PP2, *PP_LORA, "parallel.pp_schedule=gpipe"), "pp_lora", (2,)),
     # PP 2 x DP 2 (FSDP2 per stage) x EP 2, interleaved (the aux loss is per
     # micro-batch, whose rows differ with DP: compared without it, as the accumulating layouts)
+    # PP 2 x CP 2 x EP 2 with checkpointing and the MTP head: each stage's row over 2 CP ranks
+    "pp2_cp2_ep2_ac": (
+        (
+            "parallel.dp=1",
+            "parallel.pp=2",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "data.samples_per_rank=4",
+            *PP_MTP,
+            "train.activation_checkpointing=true",
+        ),
+        "pp_mtp",
+        (4,),
+    ),
     "pp2_dp2_ep2_interleaved": (
         (*PP2, *PP_MTP, "parallel.ep=2", *INTERLEAVED, "train.router_aux_loss_coef=0"),
         "pp_no_aux",

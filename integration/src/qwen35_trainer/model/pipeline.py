@@ -36,13 +36,15 @@ __all__ = ["Pipeline", "PipelinePlan", "build_pipeline", "plan_pipeline", "stage
 @dataclasses.dataclass
 class PipelinePlan:
     """What a rank builds: every stage's layers, which stages are this rank's, the schedule,
-    the micro-batch row's tokens and the compute dtype."""
+    the micro-batch row's tokens (``row_tokens``; each CP rank holds ``row_tokens / cp`` of
+    them) and the compute dtype."""
 
     stage_layers: list[range]
     mine: list[int]
     schedule: str
     microbatches: int
     row_tokens: int
+    cp: int
     dtype: torch.dtype
     loss_chunk_size: int | None
     mtp: bool  # the whole row's embeddings travel to the last stage
@@ -68,8 +70,7 @@ class Pipeline:
         """Forward and backward of every micro-batch of ``inputs`` through the pipeline."""
         for module in self.modules:
             module.inputs, module.shares, module.load = inputs, [], None
-        device = next(iter(self.modules[0].buffers()), None)
-        device = inputs.micro[0][0].input_ids.device if device is None else device.device
+        device = inputs.micro[0][0].input_ids.device
         index = torch.arange(len(inputs.micro), device=device).reshape(-1, 1)
         self.schedule.step(index, target=index, losses=[], return_outputs=False)
 
@@ -114,6 +115,7 @@ def plan_pipeline(recipe: Any, objective: nn.Module, pp_rank: int) -> Callable[.
         schedule=p.pp_schedule,
         microbatches=recipe.train.grad_accum_steps,
         row_tokens=per_micro,
+        cp=p.cp,
         dtype=torch.bfloat16 if recipe.train.dtype == "bfloat16" else torch.float32,
         loss_chunk_size=recipe.train.loss_chunk_size,
         mtp=hasattr(model, "mtp"),
@@ -168,7 +170,7 @@ def _buffers(module: StageModule, model: nn.Module, plan: PipelinePlan) -> dict:
     """The stage's ``input_args`` / ``output_args`` on the meta device (module docstring)."""
     text = model.config.text_config
     hidden, experts = text.hidden_size, text.num_experts
-    tokens = plan.row_tokens
+    tokens = plan.row_tokens // plan.cp  # this CP rank's
 
     def meta(*shape, dtype=plan.dtype, grad=False):
         return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=grad)
@@ -184,7 +186,7 @@ def _buffers(module: StageModule, model: nn.Module, plan: PipelinePlan) -> dict:
         meta(experts + 1, dtype=torch.float32),
     )
     if plan.mtp:
-        carried = (*carried, meta(1, tokens, hidden, grad=plan.embeds_train))
+        carried = (*carried, meta(1, plan.row_tokens, hidden, grad=plan.embeds_train))
     inputs = (index,) if module.first else carried
     outputs = meta((), dtype=torch.float32, grad=True) if module.last else carried
     return {"input_args": inputs, "output_args": outputs}

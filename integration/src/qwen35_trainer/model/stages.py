@@ -14,7 +14,8 @@ What travels between stages, per micro-batch (torch's P2P buffers of fixed shape
   step's inputs (:class:`StepInputs`; every stage rank builds the same micro-batches), so the
   metadata travels with the micro-batch by construction: no stage can pair hidden states with
   another micro-batch's boundaries;
-- ``hidden`` [1, T, H]: the residual stream after the stage's layers;
+- ``hidden`` [1, T, H]: the residual stream after the stage's layers (this CP rank's ``T`` tokens
+  of the row: each CP rank of a stage sends to the same CP rank of the next);
 - ``prob_sum`` [E] fp32 and ``counts`` [E + 1] fp32: the router statistics of every MoE layer so
   far (:func:`moe_parallel.router_statistics`, summed; counts carry no gradient). They are sums
   over layers, so the last stage holds the statistics of all layers concatenated and its
@@ -34,6 +35,7 @@ label counts (the aux loss per micro-batch over ``M`` micro-batches, as the step
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +52,7 @@ from qwen35_trainer.data.batch import present_media
 from qwen35_trainer.model.build import moe_blocks
 from qwen35_trainer.model.mtp import mtp_shares
 from qwen35_trainer.model.objective import head_weights
-from qwen35_trainer.model.packed import dummy_vision
+from qwen35_trainer.model.packed import dummy_vision, image_features
 
 __all__ = ["Elsewhere", "StageModule", "StepInputs", "keep_stages"]
 
@@ -164,7 +166,10 @@ class StageModule(nn.Module):
         """The first stage's inputs: the whole row embedded (vision features in place), this
         rank's tokens of it, and empty router statistics."""
         row = {"input_ids": batch.input_ids, **present_media(batch)}
-        embeds = embed_packed_row(vlm, row)
+        vision = None
+        if packed.group is not None:  # frames sharded over the CP ranks
+            vision = functools.partial(image_features, vlm, group=packed.group)
+        embeds = embed_packed_row(vlm, row, vision=vision)
         experts = self.blocks[0][0].num_experts
         prob_sum = torch.zeros(experts, device=embeds.device)
         counts = torch.zeros(experts + 1, device=embeds.device)

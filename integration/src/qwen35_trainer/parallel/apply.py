@@ -21,6 +21,9 @@ the same program as every layout) and applies, in place:
   async-tp-linear's fusable ``TPLinear`` and Inductor's micro-pipeline TP is enabled on the TP
   mesh (:func:`async_tp_linear.enable_async_tp`, CUDA / NCCL only);
 - activation checkpointing of decoder and vision blocks;
+- PP (``pp > 1``): the model keeps this rank's pipeline stages only (before anything above),
+  and each stage is sharded by FSDP2 below as its own root and run by torch's schedule
+  (:mod:`qwen35_trainer.model.pipeline`);
 - FSDP2 (:func:`fsdp_compat.shard_model`): dense parameters sharded over ``dp_shard × cp`` and
   replicated over ``dp_replicate`` (HSDP), experts over the expert mesh's ``efsdp`` (and
   ``dp_replicate``), the units being the decoder layers and vision blocks, named explicitly;

@@ -40,13 +40,14 @@ ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 def pipeline_refusals(recipe: Any, text_config: Any | None) -> list[str]:
     """Why the recipe's pipeline settings cannot run (empty: they can, or ``pp = 1`` with the
     other ``pp_*`` settings at their defaults)."""
-    p, train, data = recipe.parallel, recipe.train, recipe.data
+    p = recipe.parallel
     if p.pp == 1:
         if p.pp_virtual_stages != 1 or p.pp_layers is not None:
             return ["parallel.pp_virtual_stages / pp_layers need parallel.pp > 1"]
         return []
     if not isinstance(p.pp, int) or p.pp < 1:
         return [f"parallel.pp must be an integer >= 1, got {p.pp!r}"]
+    train, data = recipe.train, recipe.data
     reasons = []
     kind = PP_SCHEDULES.get(p.pp_schedule, (None, None))[1]
     v = p.pp_virtual_stages
@@ -106,12 +107,16 @@ def pipeline_refusals(recipe: Any, text_config: Any | None) -> list[str]:
             "train.export_dir with parallel.pp > 1 is not built yet: each rank holds its "
             "stages only; export the checkpoint with `qwen35-train export` (one process)"
         )
-    for name, degree in (("tp", p.tp), ("cp", p.cp)):
-        if degree > 1:
-            reasons.append(
-                f"parallel.{name} > 1 with parallel.pp > 1 is not built yet: PP composes with "
-                "FSDP2 (dp, dp_replicate) and EP so far"
-            )
+    if p.tp > 1:
+        reasons.append(
+            "parallel.tp > 1 with parallel.pp > 1 is not built yet: PP composes with FSDP2 "
+            "(dp, dp_replicate), CP and EP so far"
+        )
+    if data.pack_length and data.pack_length % p.cp:
+        reasons.append(
+            f"data.pack_length={data.pack_length} must be a multiple of parallel.cp={p.cp} "
+            "under parallel.pp > 1: every CP rank sends the same number of tokens"
+        )
     if p.fsdp_backend != "fsdp2":
         reasons.append("parallel.pp > 1 runs with parallel.fsdp_backend=fsdp2 only")
     if text_config is not None and kind is not None:
