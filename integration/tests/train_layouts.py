@@ -381,6 +381,19 @@ LAYOUTS |= {
         "pp_no_aux",
         (4,),
     ),
+    # PP 2 x HSDP 2 (two replicas of each stage, each its own rows), LoRA
+    "pp2_hsdp2_lora": (
+        (
+            "parallel.dp=1",
+            "parallel.dp_replicate=2",
+            "parallel.pp=2",
+            "data.samples_per_rank=2",
+            *PP_LORA,
+            "train.router_aux_loss_coef=0",
+        ),
+        "pp_lora_no_aux",
+        (4,),
+    ),
 }
 PP_RESUMED = {"pp2_1f1b_ac"}
 # megatron layouts also stopped after 1 step and resumed: equal to their own uninterrupted run
@@ -405,6 +418,7 @@ VARIANTS = {
     "pp_mtp": PP_MTP,
     "pp_lora": PP_LORA,
     "pp_no_aux": (*PP_MTP, "train.router_aux_loss_coef=0"),
+    "pp_lora_no_aux": (*PP_LORA, "train.router_aux_loss_coef=0"),
 }
 # bf16 rounds every matmul input to 8 mantissa bits and the ranks add partial results in another
 # order than one process, so the runs agree to bf16 resolution (2^-8 = 0.4 % per rounding), not
@@ -427,6 +441,7 @@ COMPARE = {
     "eval_no_aux": {"fields": ("loss", "ce", "grad_norm", "eval_loss", "eval_accuracy")},
     "pp_mtp": {"fields": (*FIELDS, "mtp_loss")},
     "pp_no_aux": {"fields": ("loss", "ce", "grad_norm", "mtp_loss")},
+    "pp_lora_no_aux": {"fields": ("loss", "ce", "grad_norm")},
 }
 
 
