@@ -18,19 +18,28 @@ from qwen35_trainer.model import build_config
 from qwen35_trainer.model.flops import layer_costs
 from qwen35_trainer.model.pipeline import stage_layers
 from qwen35_trainer.parallel.pipeline_split import balanced_split, stages_of_rank
+from qwen35_trainer.plan import plan
+from qwen35_trainer.plan.stages import bubble_fraction, stage_view
 
 PP2 = ("parallel.pp=2", "data.packing=true", "data.pack_length=256", "train.grad_accum_steps=2")
 
 
+def _loads(costs, counts, first, last):
+    bounds = list(itertools.accumulate([0, *counts]))
+    loads = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+    loads[0] += first
+    loads[-1] += last
+    return loads
+
+
 def _brute_force(costs, stages, first, last):
-    """The least possible most expensive stage over every way to cut ``costs`` in order."""
-    best = float("inf")
+    """``(least most expensive stage, least sum of squares among those)`` over every way to cut
+    ``costs`` in order."""
+    best = (float("inf"), float("inf"))
     for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
-        bounds = (0, *cuts, len(costs))
-        loads = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
-        loads[0] += first
-        loads[-1] += last
-        best = min(best, max(loads))
+        counts = [b - a for a, b in itertools.pairwise((0, *cuts, len(costs)))]
+        loads = _loads(costs, counts, first, last)
+        best = min(best, (max(loads), sum(x * x for x in loads)))
     return best
 
 
@@ -43,11 +52,16 @@ def test_balanced_split_is_the_best_contiguous_split():
         first, last = rng.random() * 6, rng.random() * 6
         counts = balanced_split(costs, stages, first, last)
         assert len(counts) == stages and sum(counts) == n and min(counts) >= 1
-        bounds = list(itertools.accumulate([0, *counts]))
-        loads = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
-        loads[0] += first
-        loads[-1] += last
-        assert max(loads) == pytest.approx(_brute_force(costs, stages, first, last))
+        loads = _loads(costs, counts, first, last)
+        most, squares = _brute_force(costs, stages, first, last)
+        assert max(loads) == pytest.approx(most)
+        assert sum(x * x for x in loads) == pytest.approx(squares)
+
+
+def test_an_expensive_first_stage_leaves_the_others_balanced():
+    """The vision tower makes stage 0 the bottleneck; the other layers still split evenly."""
+    counts = balanced_split([1.0] * 12, 4, first=10.0, last=0.0)
+    assert counts[0] == 1 and sorted(counts[1:]) == [3, 4, 4]
 
 
 def test_the_cost_model_tells_the_layer_kinds_apart():
@@ -129,3 +143,37 @@ def test_the_readme_pipeline_example_is_a_valid_layout(tmp_path):
     assert (dims.pp, dims.world) == (4, 32)
     split = stage_layers(recipe, config)
     assert len(split) == 4 and sum(map(len, split)) == config.text_config.num_hidden_layers
+
+
+def test_the_plan_of_a_pipeline_counts_each_stage():
+    """``qwen35-train plan`` under PP plans the first rank of every stage: their parameters
+    add up to the one-stage plan's (the stages partition the model), the first stage holds the
+    activations of more micro-batches than the last (1F1B), and the bubble and the P2P traffic
+    are reported."""
+    one = ("parallel.dp=1", "parallel.cp=1", "parallel.ep=1", *PP2[1:], "train.eval_every=0")
+    staged = plan(tiny(*one, "parallel.pp=2", "train.grad_accum_steps=4"))
+    whole = plan(tiny(*one, "parallel.pp=1", "train.grad_accum_steps=4"))
+    assert sorted(staged.ranks) == [0, 1] and list(whole.ranks) == [0]
+    assert sum(m.parameters for m in staged.ranks.values()) == whole.ranks[0].parameters
+    assert staged.total_parameters == whole.total_parameters
+    assert staged.bubble == pytest.approx(1 / 5) and whole.bubble is None
+    assert staged.communication["pp_p2p"] > 0
+
+
+def test_micro_batches_in_flight_per_schedule():
+    """GPipe holds every micro-batch, 1F1B ``pp - rank``, interleaved its warm-up's stage
+    chunks over the stages per rank."""
+    from types import SimpleNamespace
+
+    def view(schedule, mine, count):
+        plan_ = SimpleNamespace(stage_layers=[range(i, i + 1) for i in range(count)], mine=mine)
+        plan_.schedule = schedule
+        return stage_view(SimpleNamespace(plan=plan_), ["full_attention"] * count, 8, 4)
+
+    assert view("gpipe", [0], 4).in_flight == 8
+    assert [view("1f1b", [r], 4).in_flight for r in range(4)] == [4, 3, 2, 1]
+    interleaved = view("interleaved_1f1b", [0, 4], 8)
+    assert interleaved.in_flight == (4 + 6 + 1) / 2 and interleaved.sends == 2
+    assert (interleaved.first, interleaved.last, interleaved.receives) == (True, False, 1)
+    assert bubble_fraction("1f1b", 4, 1, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved_1f1b", 4, 2, 8) == pytest.approx(3 / 19)

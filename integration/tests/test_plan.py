@@ -41,6 +41,16 @@ SMALL = {
         "model.base_dtype=fp8",
         "model.fp8_block=[16, 16]",
     ),
+    # PP 2 x DP 2 with EP 2 (each stage's ranks hold its layers only)
+    "pp2_dp2_ep2": (
+        "parallel.pp=2",
+        "parallel.cp=1",
+        "data.samples_per_rank=2",
+        "data.packing=true",
+        "data.pack_length=256",
+        "train.grad_accum_steps=2",
+        "train.eval_every=0",
+    ),
 }
 
 
@@ -69,7 +79,7 @@ def test_each_public_size_fits_gpus_of_80_gib_with_the_headroom(name, tmp_path, 
         assert f"\n  {term} " in table, term
     result = json.loads(out.read_text())
     assert result["world"] == world and set(result["ranks"]) == {"0", str(world - 1)}
-    assert result["layout"] == {"dp_replicate": 1, "tp": 1, **layout}
+    assert result["layout"] == {"pp": 1, "dp_replicate": 1, "tp": 1, **layout}
     assert abs(result["total_parameters"] / 1e9 - total) < 0.01
     assert abs(result["active_parameters"] / 1e9 - active) < 0.01
     assert abs(result["mtp_parameters"] / 1e9 - mtp) < 0.01
@@ -109,7 +119,7 @@ def test_lora_recipes_fit_on_far_fewer_gpus(name, tmp_path):
     assert main(["plan", name, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["world"] == world and result["fits"]
-    assert result["layout"] == {"dp_replicate": 1, "tp": 1, **layout}
+    assert result["layout"] == {"pp": 1, "dp_replicate": 1, "tp": 1, **layout}
     assert result["predicted_peak_gib"] == pytest.approx(peak, abs=0.01)
     for terms in result["ranks"].values():
         assert terms["gradients"] < 0.1 * terms["parameters"], terms
@@ -155,7 +165,7 @@ def test_headroom_terms_change_the_verdict_and_the_exit_code(capsys, monkeypatch
     [
         (
             ["--world-size", "5"],
-            "--world-size 5 is not a multiple of parallel.dp_replicate x cp x tp",
+            "--world-size 5 is not a multiple of parallel.pp x dp_replicate x cp x tp",
         ),
         (["--set", "parallel.ep=3"], "ep"),
     ],

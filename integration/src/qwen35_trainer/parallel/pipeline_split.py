@@ -9,8 +9,9 @@ holds the token embedding and the vision tower with its merger; the last the fin
 The default split balances a per-layer cost (:func:`qwen35_trainer.model.flops.layer_costs`:
 full attention and Gated DeltaNet layers differ; the first stage is charged the vision tower,
 the last the head and the MTP layers): :func:`balanced_split` minimises the most expensive
-stage exactly (a dynamic programme over the cut points); a run whose data differs from the
-cost model's assumption gives ``parallel.pp_layers``.
+stage exactly, then the sum of the stages' squared costs (dynamic programmes over the cut
+points); a run whose data differs from the cost model's assumption gives
+``parallel.pp_layers``.
 """
 
 from __future__ import annotations
@@ -146,32 +147,60 @@ def _split_refusals(p: Any, layers: int) -> list[str]:
 
 def balanced_split(costs: list[float], stages: int, first: float, last: float) -> list[int]:
     """Layer counts of ``stages`` contiguous stages (each >= 1 layer) minimising the most
-    expensive stage, the first charged ``first`` more and the last ``last`` more."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    expensive stage (the first charged ``first`` more, the last ``last`` more) and, among those
+    splits, the sum of the stages' squared costs: the other stages are balanced too, not left
+    anywhere below the bottleneck (a first stage made expensive by the vision tower would
+    otherwise let any split of the rest pass)."""
+    bound = _least_maximum(costs, stages, first, last)
+    return _least_squares(costs, stages, first, last, bound * (1 + 1e-12))
 
+
+def _stage_cost(prefix: list[float], stages: int, first: float, last: float):
     def cost(stage: int, a: int, b: int) -> float:
         extra = (first if stage == 0 else 0.0) + (last if stage == stages - 1 else 0.0)
         return prefix[b] - prefix[a] + extra
 
+    return cost
+
+
+def _prefix(costs: list[float]) -> list[float]:
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    return prefix
+
+
+def _least_maximum(costs: list[float], stages: int, first: float, last: float) -> float:
+    """The least possible most expensive stage (a dynamic programme over the cut points:
+    ``best[s][i]``, the least maximum of stages 0..s-1 over layers 0..i-1)."""
+    n, cost = len(costs), _stage_cost(_prefix(costs), stages, first, last)
+    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            best[s][i] = min(max(best[s - 1][j], cost(s - 1, j, i)) for j in range(s - 1, i))
+    return best[stages][n]
+
+
+def _least_squares(
+    costs: list[float], stages: int, first: float, last: float, bound: float
+) -> list[int]:
+    """The split with every stage at most ``bound`` whose squared stage costs sum least."""
+    n, cost = len(costs), _stage_cost(_prefix(costs), stages, first, last)
     inf = float("inf")
-    # best[s][i]: the least possible maximum over stages 0..s-1 covering layers 0..i-1
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for s in range(1, stages + 1):
         for i in range(s, n - (stages - s) + 1):
             for j in range(s - 1, i):
-                value = max(best[s - 1][j], cost(s - 1, j, i))
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
+                c = cost(s - 1, j, i)
+                if c <= bound and best[s - 1][j] + c * c < best[s][i]:
+                    best[s][i], cut[s][i] = best[s - 1][j] + c * c, j
     counts, i = [], n
     for s in range(stages, 0, -1):
-        j = cut[s][i]
-        counts.append(i - j)
-        i = j
+        counts.append(i - cut[s][i])
+        i = cut[s][i]
     return counts[::-1]
 
 

@@ -72,9 +72,10 @@ class Headroom:
 
 
 def process_groups(layout: dict[str, int]) -> int:
-    """The communicators a rank of ``layout`` (dp_replicate, dp, cp, tp, ep) joins: one per
+    """The communicators a rank of ``layout`` (dp_replicate, dp, cp, tp, ep, pp) joins: one per
     mesh dimension and flattened view of more than one rank — HSDP replicas, the dense FSDP
-    shard group (dp × cp), CP, TP, the loss group, EP and the experts' FSDP group."""
+    shard group (dp × cp), CP, TP, the loss group, EP, the experts' FSDP group and the
+    pipeline."""
     r, d, c, t, e = (layout[k] for k in ("dp_replicate", "dp", "cp", "tp", "ep"))
-    sizes = [r, d * c, c, t, r * d * c, e, d * c // e]
+    sizes = [r, d * c, c, t, r * d * c, e, d * c // e, layout.get("pp", 1)]
     return sum(1 for size in sizes if size > 1)

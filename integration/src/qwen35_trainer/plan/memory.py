@@ -62,6 +62,7 @@ from torch import nn
 from qwen35_trainer.model.lora import is_adapter
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.shards import local_index
+from qwen35_trainer.plan.stages import StageView
 
 __all__ = ["ROUTING_SKEW", "Memory", "Shape", "memory", "parameter_bytes"]
 
@@ -167,7 +168,7 @@ def _block_working_set(text, s: int, ep_rows: float, b: int, full: bool) -> int:
     return int(s * (mixer + shared) + s * routed)
 
 
-def _saved_with_checkpointing(text, vision, shape: Shape) -> int:
+def _saved_with_checkpointing(text, vision, shape: Shape, stage: StageView) -> int:
     """Bytes saved for the backward at the end of the forward when every decoder and vision
     block is checkpointed (the loss's own fp32 gradients are the ``loss`` line): each block's
     input; the final RMSNorm's fp32 input and normalised output; the router logits of every
@@ -178,10 +179,11 @@ def _saved_with_checkpointing(text, vision, shape: Shape) -> int:
     s = shape.tokens // shape.sequence_split  # the decoder stack's tokens on this rank
     h, vh = text.hidden_size, vision.hidden_size
     pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    decoder = text.num_hidden_layers * s * h * b + 2 * s * h * 4
-    router = text.num_hidden_layers * s * text.num_experts * 4
+    layers = len(stage.layer_types)
+    decoder = layers * s * h * b + 2 * s * h * 4 * stage.last
+    router = layers * s * text.num_experts * 4
     tower = vision.depth * p * vh * b + p * pixels * b + p * 32 + 4 * p * vh * b
-    return decoder + router + tower
+    return decoder + router + tower * stage.first
 
 
 def _mtp_saved(text, shape: Shape, *, checkpointing: bool) -> int:
@@ -201,10 +203,16 @@ def memory(
     checkpointing: bool,
     units,
     sharded: bool = True,
+    stage: StageView | None = None,
 ) -> Memory:
     """This rank's :class:`Memory` (module docstring); ``units``: the FSDP unit modules;
-    ``sharded``: FSDP wraps the model at all."""
+    ``sharded``: FSDP wraps the model at all; ``stage``: under pipeline parallelism, this
+    rank's layers, whether it holds the first / last stage, and the micro-batches whose
+    activations it holds at its peak (:mod:`qwen35_trainer.plan.stages`): the saved
+    activations are its layers' (the tower's on the first stage, the final norm's, the MTP
+    head's and the loss's on the last) times those micro-batches."""
     text, vision = model.config.text_config, model.config.vision_config
+    stage = stage or StageView(tuple(text.layer_types), True, True, 1.0, 0, 0)
     b, s = shape.compute_bytes, shape.tokens
     params = parameter_bytes(model)
     trained = parameter_bytes(model, trained=True)
@@ -216,17 +224,21 @@ def memory(
     full_layers = sum(t == "full_attention" for t in text.layer_types)
     vh = vision.hidden_size
     if checkpointing:
-        saved = _saved_with_checkpointing(text, vision, shape)
+        saved = _saved_with_checkpointing(text, vision, shape, stage)
     else:
         saved = sum(
             _block_working_set(text, s // shape.sequence_split, 1.0, b, t == "full_attention")
-            for t in text.layer_types
+            for t in stage.layer_types
         )
-        saved += vision.depth * shape.patches * (6 * vh + 2 * vision.intermediate_size) * b
-    saved += _mtp_saved(text, shape, checkpointing=checkpointing)
+        tower = vision.depth * shape.patches * (6 * vh + 2 * vision.intermediate_size) * b
+        saved += tower * stage.first
+    saved += _mtp_saved(text, shape, checkpointing=checkpointing) * stage.last
+    saved = int(saved * stage.in_flight)
     recompute = max(_block_working_set(text, s, ROUTING_SKEW, b, full) for full in (False, True))
-    head_trains = model.lm_head.weight.requires_grad  # a LoRA run's lm_head is frozen
-    loss = s * h * 4 + text.vocab_size * h * 4 * head_trains + LOSS_CHUNK_BYTES
+    loss = 0
+    if stage.last:
+        head_trains = model.lm_head.weight.requires_grad  # a LoRA run's lm_head is frozen
+        loss = s * h * 4 + text.vocab_size * h * 4 * head_trains + LOSS_CHUNK_BYTES
     unit = max(
         (2 * _unit_bytes(u, dims.ep, b) + _unit_numel(u, dims.ep, trained=True) * 4 for u in units),
         default=0,
@@ -246,7 +258,7 @@ def memory(
         kv = 2 * text.num_key_value_heads * text.head_dim * b
         state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
         cp = (shape.row_tokens * kv if full_layers else 0) + 2 * state * 4
-    gathered = shape.image_tokens * h * b if dims.cp > 1 else 0
+    gathered = shape.image_tokens * h * b if dims.cp > 1 and stage.first else 0
     return Memory(
         params,
         trained,

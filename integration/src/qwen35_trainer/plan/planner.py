@@ -20,12 +20,14 @@ import torch
 
 from qwen35_trainer.data.synthetic import max_sample_tokens
 from qwen35_trainer.model import build_training_model
+from qwen35_trainer.model.build import build_meta_model
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.parallel import FSDP_UNITS, ParallelDims, validate_layout
 from qwen35_trainer.plan.headroom import Headroom, process_groups
 from qwen35_trainer.plan.memory import ROUTING_SKEW, Memory, Shape, memory
+from qwen35_trainer.plan.stages import bubble_fraction, p2p_bytes, stage_view
 from qwen35_trainer.plan.world import fake_world
 
 __all__ = ["GIB", "Plan", "communication", "plan", "rank_processes", "row_shape"]
@@ -53,6 +55,7 @@ class Plan:
     gpu_memory_gib: float
     headroom: Headroom = dataclasses.field(default_factory=Headroom)
     mtp_parameters: int = 0  # of total_parameters: the multi-token-prediction head's
+    bubble: float | None = None  # under PP: the share of a step each rank idles
 
     @property
     def counted_gib(self) -> float:
@@ -97,6 +100,7 @@ class Plan:
             "transient_gib": self.transient_gib,
             "headroom_gib": {k: v / GIB for k, v in self.headroom_terms.items()},
             "predicted_peak_gib": self.peak_gib,
+            "pipeline_bubble": self.bubble,
             "gpu_memory_gib": self.gpu_memory_gib,
             "fits": self.fits,
         }
@@ -112,6 +116,8 @@ def row_shape(recipe, cp: int) -> Shape:
     patches = max(t * h * w for t, h, w in data.image_grids) * data.images_per_sample
     frames = max(t for t, _, _ in data.image_grids) * data.images_per_sample
     n = data.samples_per_rank
+    if recipe.parallel.pp > 1:  # a pipeline micro-batch: the step's samples over the micro-batches
+        n = max(1, n // recipe.train.grad_accum_steps)
     row = data.pack_length or n * max_sample_tokens(recipe.model, data)
     if data.dataset:  # a dataset's rows of one rank and micro-batch run as one sequence
         groups = recipe.parallel.dp_replicate * recipe.parallel.dp
@@ -127,10 +133,12 @@ def row_shape(recipe, cp: int) -> Shape:
     )
 
 
-def communication(model, dims, shape: Shape) -> dict[str, int]:
+def communication(model, dims, shape: Shape, layer_types=None) -> dict[str, int]:
     """Bytes each rank sends in one step, by kind (ring collectives: ``(n-1)/n`` of the data;
-    forward, recompute and backward counted where each runs)."""
+    forward, recompute and backward counted where each runs); ``layer_types``: the decoder
+    layers this rank runs (a pipeline stage's; default all)."""
     text = model.config.text_config
+    layer_types = text.layer_types if layer_types is None else layer_types
     b = shape.compute_bytes
     experts = sum(p.numel() for n, p in model.named_parameters() if "experts." in n)
     dense = sum(p.numel() for p in model.parameters()) - experts
@@ -142,8 +150,8 @@ def communication(model, dims, shape: Shape) -> dict[str, int]:
 
     gather = 2 * (dense * b * ring(shard) + experts / dims.ep * b * ring(efsdp))
     scatter = dense * 4 * ring(shard) + experts / dims.ep * 4 * ring(efsdp)
-    a2a = text.num_hidden_layers * shape.tokens * text.num_experts_per_tok * text.hidden_size
-    full = sum(t == "full_attention" for t in text.layer_types)
+    a2a = len(layer_types) * shape.tokens * text.num_experts_per_tok * text.hidden_size
+    full = sum(t == "full_attention" for t in layer_types)
     kv = 2 * text.num_key_value_heads * text.head_dim
     return {
         "fsdp_all_gather": int(gather),
@@ -169,6 +177,11 @@ def _rank_plan(recipe, dims: ParallelDims, rank: int):
         ]
         shape = row_shape(recipe, dims.cp)
         lora = recipe.model.lora is not None
+        stage = None
+        if objective.pipeline is not None:
+            text = model.config.text_config
+            micro = recipe.train.grad_accum_steps
+            stage = stage_view(objective.pipeline, text.layer_types, micro, dims.pp)
         mem = memory(
             model,
             dims,
@@ -176,13 +189,34 @@ def _rank_plan(recipe, dims: ParallelDims, rank: int):
             checkpointing=recipe.train.activation_checkpointing,
             units=units,
             sharded=not (lora and world == 1),  # one LoRA process: no FSDP
+            stage=stage,
         )
-        counts = [0, 0, 0]  # total, routed experts, MTP head
-        for name, _, _, param in named_parameters(model):
-            counts[0] += param.numel()
-            counts[1] += param.numel() if "experts." in name else 0
-            counts[2] += param.numel() if name.startswith(MTP_PREFIX) else 0
-        return mem, tuple(counts), communication(model, dims, shape)
+        counts = parameter_counts(model)
+        traffic = communication(model, dims, shape, stage and stage.layer_types)
+        if stage is not None:
+            traffic["pp_p2p"] = p2p_bytes(
+                model.config.text_config,
+                stage,
+                recipe.train.grad_accum_steps,
+                shape.tokens,
+                shape.row_tokens,
+                shape.compute_bytes,
+            )
+        return mem, counts, traffic
+
+
+PLAN_PROCESSES = 4  # ranks planned at once (each builds the meta model in its own process)
+
+
+def parameter_counts(model) -> tuple[int, int, int]:
+    """``(total, routed experts, MTP head)`` parameters of ``model`` (DTensors: their global
+    sizes)."""
+    counts = [0, 0, 0]
+    for name, _, _, param in named_parameters(model):
+        counts[0] += param.numel()
+        counts[1] += param.numel() if "experts." in name else 0
+        counts[2] += param.numel() if name.startswith(MTP_PREFIX) else 0
+    return counts[0], counts[1], counts[2]
 
 
 def rank_processes(n: int) -> ProcessPoolExecutor:
@@ -221,24 +255,24 @@ def plan(
             "weights beside bf16 ones) only as it materialises each unit on a real device "
             "(qwen35_trainer.parallel.megatron); plan the same layout with fsdp2"
         )
-    if p.pp > 1:
-        raise ValueError(
-            "the planner does not plan parallel.pp > 1 yet (per-stage memory, the schedule's "
-            "micro-batches in flight and its bubble are not counted); plan parallel.pp=1"
-        )
     world = world_size or p.world
     if world != p.world:
         recipe = dataclasses.replace(recipe, parallel=p.filling(world, "--world-size"))
     dims = validate_layout(recipe, world, on_this_machine=False)
     ranks = {}
-    planned = sorted({0, world - 1})
-    with rank_processes(len(planned)) as pool:
+    # the first and last ranks; under PP the first rank of every stage (each holds other layers)
+    planned = sorted({0, world - 1, *range(0, world, world // p.pp)})
+    with rank_processes(min(len(planned), PLAN_PROCESSES)) as pool:
         futures = {rank: pool.submit(_rank_plan, recipe, dims, rank) for rank in planned}
         for rank, future in futures.items():
             ranks[rank], (total, routed, mtp), traffic = future.result()
+    if p.pp > 1:  # a planned rank holds its stages only: count the whole model
+        total, routed, mtp = parameter_counts(build_meta_model(recipe.model))
     text = build_config(recipe.model).text_config
+    micro = recipe.train.grad_accum_steps
     active = total - routed + routed * text.num_experts_per_tok // text.num_experts
-    layout = {k: getattr(recipe.parallel, k) for k in ("dp_replicate", "dp", "cp", "tp", "ep")}
+    keys = ("pp", "dp_replicate", "dp", "cp", "tp", "ep")
+    layout = {k: getattr(recipe.parallel, k) for k in keys}
     return Plan(
         name,
         world,
@@ -250,4 +284,7 @@ def plan(
         gpu_memory_gib,
         headroom or Headroom(),
         mtp_parameters=mtp,
+        bubble=bubble_fraction(p.pp_schedule, p.pp, p.pp_virtual_stages, micro)
+        if p.pp > 1
+        else None,
     )

@@ -32,6 +32,8 @@ def format_plan(p: Plan) -> str:
     lines += [f"  {term:<27}{n / GIB:8.2f}" for term, n in p.headroom_terms.items()]
     lines += ["", "communication per step (GiB sent per rank)"]
     lines += [f"  {kind:<19}{n / GIB:12.2f}" for kind, n in p.communication.items()]
+    if p.bubble is not None:
+        lines += ["", f"pipeline bubble {p.bubble:.1%} of each step (idle on every rank)"]
     verdict = "fits" if p.fits else "does NOT fit"
     lines += [
         "",
