@@ -118,7 +118,6 @@ class StageModule(nn.Module):
         super().__init__()
         self.index, self.first, self.last = index, index == 0, index == count - 1
         text = model.model.language_model
-        self.layer_ids = list(layers)
         self.layers = nn.ModuleList(text.layers[i] for i in layers)
         if self.first:
             self.embed_tokens, self.visual = text.embed_tokens, model.model.visual
