@@ -72,7 +72,10 @@ def test_bad_recipes_exit_2_with_one_message(capsys, tmp_path):
         (["tiny", "--set", "train.grad_clip=-1"], "train.grad_clip must be > 0, or null"),
         (["tiny", "--set", "train.log_every=0"], "train.log_every must be >= 1, got 0"),
         (["tiny", "--set", "train.steps=0"], "train.steps must be >= 1, got 0"),
-        (["tiny", "--nproc", "3"], "--nproc 3 is not a multiple of parallel.pp x dp_replicate x cp"),
+        (
+            ["tiny", "--nproc", "3"],
+            "--nproc 3 is not a multiple of parallel.pp x dp_replicate x cp",
+        ),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
