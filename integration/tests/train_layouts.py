@@ -376,6 +376,19 @@ LAYOUTS |= {
         "pp_mtp",
         (4,),
     ),
+    # PP 2 x TP 2 with SP, checkpointing and the MTP head: each TP rank's slice between stages
+    "pp2_tp2_sp_ac": (
+        (
+            "parallel.dp=1",
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "data.samples_per_rank=4",
+            *PP_MTP,
+            "train.activation_checkpointing=true",
+        ),
+        "pp_mtp",
+        (4,),
+    ),
     "pp2_dp2_ep2_interleaved": (
         (*PP2, *PP_MTP, "parallel.ep=2", *INTERLEAVED, "train.router_aux_loss_coef=0"),
         "pp_no_aux",

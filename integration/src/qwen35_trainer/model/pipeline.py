@@ -37,14 +37,15 @@ __all__ = ["Pipeline", "PipelinePlan", "build_pipeline", "plan_pipeline", "stage
 class PipelinePlan:
     """What a rank builds: every stage's layers, which stages are this rank's, the schedule,
     the micro-batch row's tokens (``row_tokens``; each CP rank holds ``row_tokens / cp`` of
-    them) and the compute dtype."""
+    them, and under sequence parallelism each of its TP ranks ``1 / tp`` of those between the
+    stages: ``split``) and the compute dtype."""
 
     stage_layers: list[range]
     mine: list[int]
     schedule: str
     microbatches: int
     row_tokens: int
-    cp: int
+    split: int
     dtype: torch.dtype
     loss_chunk_size: int | None
     mtp: bool  # the whole row's embeddings travel to the last stage
@@ -115,7 +116,7 @@ def plan_pipeline(recipe: Any, objective: nn.Module, pp_rank: int) -> Callable[.
         schedule=p.pp_schedule,
         microbatches=recipe.train.grad_accum_steps,
         row_tokens=per_micro,
-        cp=p.cp,
+        split=p.cp * (p.tp if p.sp else 1),
         dtype=torch.bfloat16 if recipe.train.dtype == "bfloat16" else torch.float32,
         loss_chunk_size=recipe.train.loss_chunk_size,
         mtp=hasattr(model, "mtp"),
@@ -139,6 +140,8 @@ def build_pipeline(
     group = pp_mesh.get_group()
     stages = []
     for module in modules:
+        module.sequence_group = objective.router.sequence_group
+        module.aux_group = objective.router.aux_group
         shard(module)
         stages.append(
             pipelining.PipelineStage(
@@ -170,7 +173,7 @@ def _buffers(module: StageModule, model: nn.Module, plan: PipelinePlan) -> dict:
     """The stage's ``input_args`` / ``output_args`` on the meta device (module docstring)."""
     text = model.config.text_config
     hidden, experts = text.hidden_size, text.num_experts
-    tokens = plan.row_tokens // plan.cp  # this CP rank's
+    tokens = plan.row_tokens // plan.split  # this CP rank's (this TP rank's slice under SP)
 
     def meta(*shape, dtype=plan.dtype, grad=False):
         return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=grad)

@@ -132,6 +132,11 @@ class StageModule(nn.Module):
         self.inputs: StepInputs | None = None
         self.shares: list[tuple[torch.Tensor, ...]] = []  # the last stage's, per micro-batch
         self.load: torch.Tensor | None = None  # [layers, E] tokens routed this step (fp32)
+        # under sequence parallelism (set by build_pipeline from the objective's router): the
+        # TP group whose ranks route one slice each of the tokens, and every rank routing
+        # different tokens (the loss group x TP)
+        self.sequence_group: Any = None
+        self.aux_group: Any = None
 
     @property
     def model(self) -> nn.Module:
@@ -148,6 +153,9 @@ class StageModule(nn.Module):
             hidden, prob_sum, counts, *rest = received
             embeds = rest[0] if rest else None
         tokens_N = shard_sequence(batch.attention_mask, layout, rank, dim=1).reshape(-1).bool()
+        if self.sequence_group is not None:  # this TP rank routes its slice of the tokens
+            tp = dist.get_world_size(self.sequence_group)
+            tokens_N = tokens_N.chunk(tp)[dist.get_rank(self.sequence_group)]
         hidden = self._layers(hidden, packed, rank)
         loads = []
         for block in (b for blocks in self.blocks for b in blocks):
@@ -198,6 +206,18 @@ class StageModule(nn.Module):
             )
         return hidden_BTH
 
+    def _aux(self, prob_sum: torch.Tensor, counts: torch.Tensor, loss_group: Any) -> torch.Tensor:
+        """This rank's share of the load-balancing loss of every layer. Under sequence
+        parallelism each TP rank's statistics are of its slice, counted over every rank routing
+        other tokens; its VALUE is the TP ranks' shares summed, so the loss group's totals are
+        as without SP, its gradient its own (``RouterLogits.aux_share``'s rule)."""
+        if self.sequence_group is None:
+            return balancing_loss_of(prob_sum, counts, group=loss_group)
+        local = balancing_loss_of(prob_sum, counts, group=self.aux_group)
+        whole = local.detach().clone()
+        dist.all_reduce(whole, group=self.sequence_group)
+        return local + (whole - local.detach())
+
     def _loss(self, batch, packed, rank, hidden_BTH, prob_sum, counts, embeds):
         """The last stage: the micro-batch's share of the step's loss (module docstring)."""
         step = self.inputs
@@ -214,7 +234,7 @@ class StageModule(nn.Module):
             chunk_size=self.loss_chunk_size,
             num_valid_tokens=step.num_valid,
         )
-        aux = balancing_loss_of(prob_sum, counts, group=step.loss_group) / len(step.micro)
+        aux = self._aux(prob_sum, counts, step.loss_group) / len(step.micro)
         mtp = None
         if embeds is not None:
             mtp = mtp_shares(

@@ -97,7 +97,7 @@ from qwen35_trainer.parallel.sequence_parallel import (
 )
 from qwen35_trainer.parallel.tp_gdn import split_gated_deltanet
 from qwen35_trainer.parallel.tp_lora import split_adapters
-from qwen35_trainer.parallel.tp_plan import tp_linears, tp_plan
+from qwen35_trainer.parallel.tp_plan import held_entries, tp_linears, tp_plan
 
 __all__ = [
     "FSDP_UNITS",
@@ -274,6 +274,8 @@ def apply_parallelism(
         # frozen (LoRA) weight must stay frozen
         frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         plan = tp_plan(model, sequence_parallel=sp)
+        if pipeline is not None:  # this stage's layers only
+            plan = held_entries(model, plan)
         if async_tp:  # the projections in the shape Inductor's micro-pipeline TP pass fuses
             swap_tp_linears(model, tp_linears(plan))
             enable_async_tp(meshes.tp, sequence_parallel=sp)

@@ -108,15 +108,17 @@ def pipeline_refusals(recipe: Any, text_config: Any | None) -> list[str]:
             "train.export_dir with parallel.pp > 1 is not built yet: each rank holds its "
             "stages only; export the checkpoint with `qwen35-train export` (one process)"
         )
-    if p.tp > 1:
+    if p.tp > 1 and not p.sp:
         reasons.append(
-            "parallel.tp > 1 with parallel.pp > 1 is not built yet: PP composes with FSDP2 "
-            "(dp, dp_replicate), CP and EP so far"
+            "parallel.tp > 1 with parallel.pp > 1 runs with sequence parallelism (the stages "
+            "pass each TP rank's slice of the tokens): leave parallel.sequence_parallel on"
         )
-    if data.pack_length and data.pack_length % p.cp:
+    split = p.cp * p.tp
+    if data.pack_length and data.pack_length % split:
         reasons.append(
-            f"data.pack_length={data.pack_length} must be a multiple of parallel.cp={p.cp} "
-            "under parallel.pp > 1: every CP rank sends the same number of tokens"
+            f"data.pack_length={data.pack_length} must be a multiple of parallel.cp x tp = "
+            f"{split} under parallel.pp > 1: every CP and TP rank sends the same number of "
+            "tokens"
         )
     if p.fsdp_backend != "fsdp2":
         reasons.append("parallel.pp > 1 runs with parallel.fsdp_backend=fsdp2 only")

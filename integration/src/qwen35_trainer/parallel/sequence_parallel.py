@@ -167,10 +167,12 @@ def _leave(group: Any):
 
 def sequence_parallel_regions(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
     """``(entry, exit, inside)`` of each SP region: the decoder stack with the final norm
-    (entered at the first layer, left after the norm), and each MTP layer alone."""
+    (entered at the first layer, left after the norm), and each MTP layer alone pipeline parallelism the stage holding the first layer enters, the stage holding
+    the norm leaves, and the stages between pass each TP rank's slice on; a hook on a module
+    another stage holds never runs)."""
     text = model.model.language_model
     regions = [(text.layers[0], text.norm, nn.ModuleList([text.layers, text.norm]))]
-    if hasattr(model, "mtp"):
+    if hasattr(getattr(model, "mtp", None), "layers"):  # not a pipeline stage's placeholder
         regions += [(layer, layer, layer) for layer in model.mtp.layers]
     return regions
 

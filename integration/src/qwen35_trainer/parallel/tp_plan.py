@@ -20,6 +20,8 @@ reads the MoE's flattened tokens [N, H] the same way on dim 0.
 
 from __future__ import annotations
 
+import fnmatch
+
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -29,7 +31,12 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-__all__ = ["TP_PLAN", "tp_linears", "tp_plan"]
+__all__ = [
+    "TP_PLAN",
+    "held_entries",
+    "tp_linears",
+    "tp_plan",
+]
 
 
 def _layer_plan(layers: str, sequence_parallel: bool = False) -> dict:
@@ -66,9 +73,17 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
     """:data:`TP_PLAN` (with ``sequence_parallel``: its SP form), plus the same styles for the
     MTP head's layers when ``model`` has it."""
     plan = _layer_plan("model.language_model.layers.*", sequence_parallel)
-    if hasattr(model, "mtp"):
+    if hasattr(getattr(model, "mtp", None), "layers"):  # not a pipeline stage's placeholder
         plan |= _layer_plan("mtp.layers.*", sequence_parallel)
     return plan
+
+
+def held_entries(model: nn.Module, plan: dict) -> dict:
+    """The entries of ``plan`` matching a module ``model`` holds. A pipeline stage holds some
+    layers only (a stage of Gated DeltaNet layers has no attention); without PP every entry
+    must match, which :func:`moe_parallel.validate_tp_plan` checks."""
+    names = [n for n, _ in model.named_modules() if n]
+    return {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
 
 
 def tp_linears(plan: dict) -> dict:

@@ -198,7 +198,7 @@ def _rank_plan(recipe, dims: ParallelDims, rank: int):
                 model.config.text_config,
                 stage,
                 recipe.train.grad_accum_steps,
-                shape.tokens,
+                shape.tokens // shape.sequence_split,  # under SP: this TP rank's slice
                 shape.row_tokens,
                 shape.compute_bytes,
             )

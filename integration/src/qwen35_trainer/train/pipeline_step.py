@@ -27,6 +27,7 @@ import torch.distributed as dist
 from fsdp_compat import clip_grad_norm
 from qwen35_trainer.model.stages import StepInputs
 from qwen35_trainer.parallel import Layout
+from qwen35_trainer.parallel.sequence_parallel import sum_sequence_parallel_grads
 from qwen35_trainer.train.step import (
     StepResult,
     all_reduce_loss_group,
@@ -62,6 +63,8 @@ def pipeline_step(
     num_valid, num_mtp = count_targets(micro, layout, device, objective.mtp_depth)
     loss_of = functools.partial(total_loss, aux_coef=aux_coef, mtp_weight=mtp_weight)
     pipe.run(StepInputs(micro, num_valid, num_mtp, loss_of, layout.loss_group))
+    # under SP the whole parameters of the SP regions saw 1/tp of the tokens: sum over TP
+    sum_sequence_parallel_grads(objective.sequence_parallel)
     if before_clip is not None:
         before_clip()
     grad_norm = clip_grad_norm(objective.parameters(), grad_clip, across=pipe.group, device=device)
@@ -76,7 +79,7 @@ def pipeline_step(
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    peak, idle = _router_load(pipe, layout, device)
+    peak, idle = _router_load(pipe, layout, device, objective.router.sequence_group)
     cp_imbalance = max(p.layout.compute_imbalance for _, p in micro)
     return StepResult(
         ce=float(totals[0]),
@@ -104,10 +107,12 @@ def _last_stage_sums(last, depth: int, device: torch.device):
     return ce, aux, mtp
 
 
-def _router_load(pipe, layout: Layout, device: torch.device) -> tuple[float, int]:
+def _router_load(pipe, layout: Layout, device: torch.device, tp_group) -> tuple[float, int]:
     """``(max over every layer of max/mean tokens per expert, experts idle in every layer)``
-    of the step, over the loss group and the stages."""
+    of the step, over the loss group (and the TP ranks' slices under SP) and the stages."""
     load = torch.cat([m.load for m in pipe.modules])  # [this rank's layers, E]
+    if tp_group is not None:
+        dist.all_reduce(load, group=tp_group)
     load = all_reduce_loss_group(load, layout).float()
     mean = load.mean(dim=1).clamp(min=1e-9)
     peak = (load.max(dim=1).values / mean).max().reshape(1).to(device)
