@@ -10,9 +10,14 @@ from pathlib import Path
 import torch.distributed as dist
 from dist_checks import FIELDS, assert_same_run, layout_recipe
 
+from dist_testkit import assert_close
 from qwen35_trainer import train
 
-__all__ = ["check_pipeline_equals_one_process", "pp_resume_in_one_process"]
+__all__ = [
+    "check_pipeline_equals_one_process",
+    "pp_export_equals_one_process",
+    "pp_resume_in_one_process",
+]
 
 
 def check_pipeline_equals_one_process(
@@ -64,3 +69,23 @@ def pp_resume_in_one_process(saved: Path, tmp: Path, variant, reference, compare
     fields = (compare or {}).get("fields", FIELDS)
     state = result.objective.model.state_dict()
     assert_same_run(result.logs, reference[0][1:], state, reference[1], fields=fields)
+
+
+def pp_export_equals_one_process(saved: Path, one: Path, tmp: Path, variant) -> None:
+    """``qwen35-train export`` of the PP run's step-1 checkpoint and of one process's: the same
+    tensor names, and values within the runs' tolerance (the PP ranks add in another order)."""
+    from safetensors.torch import load_file
+
+    from qwen35_trainer.train.export import export_checkpoint
+
+    tensors = []
+    for name, folder in (("pp", saved), ("one", one)):
+        recipe = layout_recipe(1, *variant)
+        export_checkpoint(recipe, folder / "step_000001", tmp / name)
+        files = sorted((tmp / name).glob("*.safetensors"))
+        tensors.append({k: v for f in files for k, v in load_file(f).items()})
+    ours, reference = tensors
+    assert sorted(ours) == sorted(reference)
+    lr = layout_recipe(1).train.lr
+    for name, value in reference.items():
+        assert_close(ours[name].float(), value.float(), rtol=1e-4, atol=1e-3 * lr, name=name)

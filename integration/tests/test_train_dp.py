@@ -49,7 +49,11 @@ from dist_checks import (
 )
 from fp8_dist_checks import check_fp8_equals_one_process
 from fp8_fixtures import export_base, fp8_checkpoint
-from pp_checks import check_pipeline_equals_one_process, pp_resume_in_one_process
+from pp_checks import (
+    check_pipeline_equals_one_process,
+    pp_export_equals_one_process,
+    pp_resume_in_one_process,
+)
 from train_layouts import (
     COMPARE,
     LAYOUTS,
@@ -211,16 +215,21 @@ def test_layout_equals_one_process(launch, layout):
     report.assert_passed(checks[layout])
 
 
-def test_checkpoint_of_a_pipeline_run_resumes_in_one_process(launch, references, tmp_path):
+def test_checkpoint_of_a_pipeline_run_resumes_in_one_process(
+    launch, references, one_process_pp_checkpoint, tmp_path
+):
     """The step-1 checkpoint written by the PP 2 ranks (each its stages' parameters and Adam
     state), resumed by ONE process (read by name): steps 2..3 and the final parameters equal
-    the uninterrupted run."""
+    the uninterrupted run; its export equals the export of one process's step-1 checkpoint."""
     checks, report, *_, resume_dirs = launch
     if "pp2_1f1b_ac" not in checks:
         pytest.skip("the PP 2 run is at world 2")
     report.assert_passed(checks["pp2_1f1b_ac"])
     saved = Path(resume_dirs["pp2_1f1b_ac"])
-    pp_resume_in_one_process(saved, tmp_path, VARIANTS["pp_mtp"], references["pp_mtp"])
+    pp_resume_in_one_process(saved, tmp_path / "resumed", VARIANTS["pp_mtp"], references["pp_mtp"])
+    pp_export_equals_one_process(
+        saved, one_process_pp_checkpoint, tmp_path / "exports", VARIANTS["pp_mtp"]
+    )
 
 
 def test_checkpoint_of_a_sharded_run_resumes_in_one_process(launch, reference, tmp_path):
