@@ -32,8 +32,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pp_layouts
 import pytest
 import torch
+import train_layouts
 import transformers
 from dist_checks import (
     STEPS,
@@ -54,18 +56,16 @@ from pp_checks import (
     pp_export_equals_one_process,
     pp_resume_in_one_process,
 )
-from train_layouts import (
-    COMPARE,
-    LAYOUTS,
-    PP_RESUMED,
-    REPEATS,
-    RESUMED,
-    RESUMED_AT_2,
-    VARIANTS,
-)
+from pp_layouts import PP_RESUMED
+from train_layouts import REPEATS, RESUMED, RESUMED_AT_2
 
 from dist_testkit import named_check, run_checks
 from qwen35_trainer import train
+
+# the layout tables, each launch running all of them at its world size
+LAYOUTS = {**train_layouts.LAYOUTS, **pp_layouts.PP_LAYOUTS}
+VARIANTS = {**train_layouts.VARIANTS, **pp_layouts.PP_VARIANTS}
+COMPARE = {**train_layouts.COMPARE, **pp_layouts.PP_COMPARE}
 
 
 def _check_of(layout: str):

@@ -15,13 +15,6 @@ LORA_TRAIN = "model.lora.train_modules=[mlp.gate, lm_head, mtp]"
 # rank-4 run with the MTP head does not learn in 3 steps)
 FP8_BASE = ("model.path={fp8}", *LORA, "model.lora.rank=8")
 
-# pipeline parallelism: packed rows of one fixed capacity, 2 micro-batches per step
-PP_ROWS = ("data.packing=true", "data.pack_length=256", "train.grad_accum_steps=2")
-PP2 = ("parallel.dp={half}", "parallel.pp=2", "data.samples_per_rank={rows}", *PP_ROWS)
-PP_MTP = (*PP_ROWS, "model.mtp_layers=1")
-PP_LORA = (*PP_ROWS, *LORA, "model.lora.train_modules=[mlp.gate, lm_head]")
-INTERLEAVED = ("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2")
-
 # name -> (overrides, reference variant, world sizes). {world}, {half}, {rows}, {export} are
 # filled per launch; a reference variant is the one-process run with the same data and options.
 LAYOUTS = {
@@ -353,62 +346,7 @@ LAYOUTS |= {
         "no_aux",
         (4,),
     ),
-    # PP 2 (1F1B) with checkpointing and the MTP head, over images and packed rows; also
-    # stopped and resumed, and resumed from one process's checkpoint (PP_RESUMED)
-    "pp2_1f1b_ac": ((*PP2, *PP_MTP, "train.activation_checkpointing=true"), "pp_mtp", (2,)),
-    # interleaved 1F1B, 2 stages per rank (4 stages of one layer each)
-    "pp2_interleaved": ((*PP2, *PP_MTP, *INTERLEAVED), "pp_mtp", (2,)),
-    # LoRA with the routers and lm_head trained in full, GPipe
-    "pp2_lora_gpipe": ((*PP2, *PP_LORA, "parallel.pp_schedule=gpipe"), "pp_lora", (2,)),
-    # PP 2 x DP 2 (FSDP2 per stage) x EP 2, interleaved (the aux loss is per
-    # micro-batch, whose rows differ with DP: compared without it, as the accumulating layouts)
-    # PP 2 x CP 2 x EP 2 with checkpointing and the MTP head: each stage's row over 2 CP ranks
-    "pp2_cp2_ep2_ac": (
-        (
-            "parallel.dp=1",
-            "parallel.pp=2",
-            "parallel.cp=2",
-            "parallel.ep=2",
-            "data.samples_per_rank=4",
-            *PP_MTP,
-            "train.activation_checkpointing=true",
-        ),
-        "pp_mtp",
-        (4,),
-    ),
-    # PP 2 x TP 2 with SP, checkpointing and the MTP head: each TP rank's slice between stages
-    "pp2_tp2_sp_ac": (
-        (
-            "parallel.dp=1",
-            "parallel.pp=2",
-            "parallel.tp=2",
-            "data.samples_per_rank=4",
-            *PP_MTP,
-            "train.activation_checkpointing=true",
-        ),
-        "pp_mtp",
-        (4,),
-    ),
-    "pp2_dp2_ep2_interleaved": (
-        (*PP2, *PP_MTP, "parallel.ep=2", *INTERLEAVED, "train.router_aux_loss_coef=0"),
-        "pp_no_aux",
-        (4,),
-    ),
-    # PP 2 x HSDP 2 (two replicas of each stage, each its own rows), LoRA
-    "pp2_hsdp2_lora": (
-        (
-            "parallel.dp=1",
-            "parallel.dp_replicate=2",
-            "parallel.pp=2",
-            "data.samples_per_rank=2",
-            *PP_LORA,
-            "train.router_aux_loss_coef=0",
-        ),
-        "pp_lora_no_aux",
-        (4,),
-    ),
 }
-PP_RESUMED = {"pp2_1f1b_ac"}
 # megatron layouts also stopped after 1 step and resumed: equal to their own uninterrupted run
 # (bf16: the fp32 main weights loaded, then installed into the bf16 weights it computes with;
 # each checkpoint written after an evaluation, whose forward put the compute parameters in place;
@@ -428,10 +366,6 @@ VARIANTS = {
     "lora_train_mtp": (*MTP_ON, *LORA, LORA_TRAIN),
     "lora_fp8_bf16": (*FP8_BASE, "model.mtp_layers=0", "train.dtype=bfloat16"),
     "lora_fp8_mtp": (*MTP_ON, *FP8_BASE),
-    "pp_mtp": PP_MTP,
-    "pp_lora": PP_LORA,
-    "pp_no_aux": (*PP_MTP, "train.router_aux_loss_coef=0"),
-    "pp_lora_no_aux": (*PP_LORA, "train.router_aux_loss_coef=0"),
 }
 # bf16 rounds every matmul input to 8 mantissa bits and the ranks add partial results in another
 # order than one process, so the runs agree to bf16 resolution (2^-8 = 0.4 % per rounding), not
@@ -452,9 +386,6 @@ COMPARE = {
     "lora_fp8_bf16": {**BF16_COMPARE, "param_norm_rel": 5e-2},
     "mtp_bf16": {**BF16_COMPARE, "fields": (*FIELDS, "mtp_loss")},
     "eval_no_aux": {"fields": ("loss", "ce", "grad_norm", "eval_loss", "eval_accuracy")},
-    "pp_mtp": {"fields": (*FIELDS, "mtp_loss")},
-    "pp_no_aux": {"fields": ("loss", "ce", "grad_norm", "mtp_loss")},
-    "pp_lora_no_aux": {"fields": ("loss", "ce", "grad_norm")},
 }
 
 
