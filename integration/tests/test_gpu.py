@@ -3,7 +3,8 @@ kernel report names the fast kernels the ``gpu`` extra brings, LoRA trains on CU
 experts' adapters on the torch grouped path (and on an FP8 base: the dequantize path), async TP (2 GPUs: TP 2 with
 sequence parallelism, compiled blocks) fuses its collectives into the matmuls and trains the same
 losses as async TP off, and megatron-fsdp (2 GPUs: real CUDA streams and NCCL, which the CPU
-parity tests stand in for) trains the same step as FSDP2."""
+parity tests stand in for) trains the same step as FSDP2, and PP 2 (its P2P over NCCL) trains as
+one GPU."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from helpers import tiny
+from helpers import SYNTHETIC, tiny
 
 from qwen35_trainer.model.kernels import resolve_kernels
 from qwen35_trainer.train.run_folder import step_records
@@ -118,3 +119,17 @@ def test_megatron_fsdp_trains_as_fsdp2(tmp_path, dtype, rel):
     )
     assert "megatron-fsdp" in printed
     assert megatron == pytest.approx(fsdp2, rel=rel)
+
+
+@two_gpus
+def test_pipeline_parallelism_over_nccl_trains_as_one_gpu(tmp_path):
+    """PP 2 (1F1B, the stages' P2P over NCCL) and one GPU, the same rows and micro-batches:
+    the same logged losses."""
+    from qwen35_trainer import train
+
+    rows = ("data.packing=true", "data.pack_length=256", "train.grad_accum_steps=2")
+    pp = ("parallel.tp=1", "parallel.pp=2", *SYNTHETIC, *rows)
+    staged, printed = _two_rank_run(tmp_path / "pp", *pp)
+    assert "pipeline: pp 2" in printed
+    one = train(tiny(*rows, "train.steps=3", "train.deterministic=false"))
+    assert staged == pytest.approx([log.loss for log in one.logs], rel=1e-3)
