@@ -42,7 +42,14 @@ from qwen35_trainer.model.mtp import mtp_shares
 from qwen35_trainer.model.packed import dummy_vision, packed_hidden_states
 from qwen35_trainer.parallel.sequence_parallel import SequenceParallelGrads
 
-__all__ = ["LossShares", "RouterLogits", "TrainingObjective", "shifted_labels"]
+__all__ = [
+    "LossShares",
+    "RouterLogits",
+    "TrainingObjective",
+    "head_weights",
+    "shifted_labels",
+    "valued_as_summed",
+]
 
 
 class LossShares(NamedTuple):
@@ -96,9 +103,7 @@ class RouterLogits:
         tp = torch.distributed.get_world_size(self.sequence_group)
         mine = tokens_N.chunk(tp)[torch.distributed.get_rank(self.sequence_group)]
         local = load_balancing_loss(self.of_tokens(mine), self.top_k, group=self.aux_group)
-        whole = local.detach().clone()
-        torch.distributed.all_reduce(whole, group=self.sequence_group)
-        return local + (whole - local.detach())
+        return valued_as_summed(local, self.sequence_group)
 
     def tokens_per_expert(self) -> torch.Tensor:
         """[layers, E] the top-k assignments of this rank's tokens in the last forward (under
@@ -222,6 +227,15 @@ class TrainingObjective(nn.Module):
             mtp=None if mtp is None else mtp.ce,
             mtp_correct=None if mtp is None else mtp.correct,
         )
+
+
+def valued_as_summed(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """``local`` with its VALUE summed over ``group`` and its gradient its own: under SP each TP
+    rank's aux share is of its slice of the tokens, and the loss group's logged totals must be
+    the whole rows' (:meth:`RouterLogits.aux_share`)."""
+    whole = local.detach().clone()
+    torch.distributed.all_reduce(whole, group=group)
+    return local + (whole - local.detach())
 
 
 class HeadWeights(NamedTuple):

@@ -51,7 +51,7 @@ from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.data.batch import present_media
 from qwen35_trainer.model.build import moe_blocks
 from qwen35_trainer.model.mtp import mtp_shares
-from qwen35_trainer.model.objective import head_weights
+from qwen35_trainer.model.objective import head_weights, valued_as_summed
 from qwen35_trainer.model.packed import dummy_vision, image_features
 
 __all__ = ["Elsewhere", "StageModule", "StepInputs", "keep_stages"]
@@ -214,9 +214,7 @@ class StageModule(nn.Module):
         if self.sequence_group is None:
             return balancing_loss_of(prob_sum, counts, group=loss_group)
         local = balancing_loss_of(prob_sum, counts, group=self.aux_group)
-        whole = local.detach().clone()
-        dist.all_reduce(whole, group=self.sequence_group)
-        return local + (whole - local.detach())
+        return valued_as_summed(local, self.sequence_group)
 
     def _loss(self, batch, packed, rank, hidden_BTH, prob_sum, counts, embeds):
         """The last stage: the micro-batch's share of the step's loss (module docstring)."""
