@@ -31,7 +31,6 @@ each resuming from the newest complete checkpoint.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -40,6 +39,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from qwen35_trainer.cli_common import (
+    EXIT_BAD_RECIPE,
+    EXIT_BAD_ROWS,
+    EXIT_INTERNAL,
+    EXIT_NON_FINITE,
+    EXIT_NOT_INTACT,
+    EXIT_PREEMPTED,
+    add_recipe_arguments,
+)
 from qwen35_trainer.recipe import (
     builtin_recipes,
     load_recipe,
@@ -59,30 +67,6 @@ __all__ = [
     "EXIT_PREEMPTED",
     "main",
 ]
-
-# The one exit-code table of every qwen35-train command.
-EXIT_NON_FINITE = 1  # a step with a non-finite loss or gradient norm (not applied)
-EXIT_BAD_RECIPE = 2  # bad input: recipe, launch, data row, checkpoint path (one message says why)
-EXIT_NOT_INTACT = 3  # a finding: checkpoint not intact, bad data rows, a plan that does not fit
-EXIT_BAD_ROWS = EXIT_DOES_NOT_FIT = EXIT_NOT_INTACT
-EXIT_INTERNAL = 4  # an unexpected internal error (with its traceback)
-EXIT_PREEMPTED = 5  # stopped by SIGTERM / SIGUSR1 after a step and a checkpoint
-
-
-def add_recipe_arguments(
-    parser, *, recipe_help: str = "a YAML recipe file, or a built-in recipe's name"
-) -> None:
-    """The ``RECIPE`` argument and the repeatable ``--set SECTION.KEY=VALUE`` overrides (read
-    back as ``args.recipe`` / ``args.overrides``) of every ``qwen35-train`` subcommand."""
-    parser.add_argument("recipe", help=recipe_help)
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one recipe value (repeatable), e.g. --set train.steps=5",
-    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -187,49 +171,10 @@ def _replay_main(argv: list[str]) -> int:
 
 
 def _plan_main(argv: list[str]) -> int:
-    """``qwen35-train plan RECIPE``: the plan's table (:mod:`qwen35_trainer.plan`); exit 0 when
-    the predicted peak fits ``--gpu-memory``, 3 when it does not, 2 for a recipe or layout that
-    cannot run. ``qwen35-train plan --sizes``: the GPUs each public size fine-tunes on."""
-    if argv == ["--sizes"]:
-        from qwen35_trainer.plan.sizes import size_table
+    """``qwen35-train plan`` (:mod:`qwen35_trainer.plan.command`)."""
+    from qwen35_trainer.plan.command import plan_main
 
-        print(size_table())
-        return 0
-    parser = argparse.ArgumentParser(
-        prog="qwen35-train plan",
-        description="Memory and communication per GPU of a recipe, on a fake world (CPU only).",
-    )
-    add_recipe_arguments(parser)
-    parser.add_argument("--world-size", type=int, help="ranks (rescales the data-parallel degree)")
-    parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB")
-    parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON there")
-    parser.add_argument(
-        "--headroom",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="change a term beyond the counted tensors (repeatable): "
-        "cuda_context_gib, cublas_gib, nccl_gib_per_group, fragmentation",
-    )
-    args = parser.parse_args(argv)
-    from qwen35_trainer.plan import Headroom, format_plan, plan
-
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        result = plan(
-            recipe,
-            name=str(args.recipe),
-            world_size=args.world_size,
-            gpu_memory_gib=args.gpu_memory,
-            headroom=Headroom.parse(args.headroom),
-        )
-    except (OSError, ValueError) as err:
-        print(f"qwen35-train plan: {err}", file=sys.stderr)
-        return EXIT_BAD_RECIPE
-    print(format_plan(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=2))
-    return 0 if result.fits else EXIT_DOES_NOT_FIT
+    return plan_main(argv)
 
 
 def _export_main(argv: list[str]) -> int:

@@ -50,6 +50,9 @@ class PipelinePlan:
     loss_chunk_size: int | None
     mtp: bool  # the whole row's embeddings travel to the last stage
     embeds_train: bool  # the embeddings carry one (the embedding or the tower trains)
+    # train.activation_checkpointing: the first stage also checkpoints the vision tower whole
+    # (StageModule): its block inputs are then kept for one micro-batch, not each in flight
+    tower_checkpoint: bool = False
 
 
 @dataclasses.dataclass
@@ -121,6 +124,7 @@ def plan_pipeline(recipe: Any, objective: nn.Module, pp_rank: int) -> Callable[.
         loss_chunk_size=recipe.train.loss_chunk_size,
         mtp=hasattr(model, "mtp"),
         embeds_train=embeds,
+        tower_checkpoint=recipe.train.activation_checkpointing,
     )
     return functools.partial(build_pipeline, objective, plan)
 
@@ -134,7 +138,14 @@ def build_pipeline(
 
     model, count = objective.model, len(plan.stage_layers)
     modules = [
-        StageModule(model, s, count, plan.stage_layers[s], loss_chunk_size=plan.loss_chunk_size)
+        StageModule(
+            model,
+            s,
+            count,
+            plan.stage_layers[s],
+            loss_chunk_size=plan.loss_chunk_size,
+            tower_checkpoint=plan.tower_checkpoint,
+        )
         for s in plan.mine
     ]
     group = pp_mesh.get_group()

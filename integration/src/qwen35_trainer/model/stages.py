@@ -42,11 +42,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from chunked_loss import linear_cross_entropy
 from cp_varlen_attn import shard_sequence
 from cp_varlen_attn.transformers import embed_packed_row
-from moe_parallel import balancing_loss_of, router_statistics
+from moe_parallel import balancing_loss_of, router_statistics, sdpa_preserving_context
 from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.data.batch import present_media
 from qwen35_trainer.model.build import moe_blocks
@@ -113,7 +114,14 @@ class StageModule(nn.Module):
     """Stage ``index`` of ``count``: the model's ``layers`` (module docstring)."""
 
     def __init__(
-        self, model: nn.Module, index: int, count: int, layers: range, *, loss_chunk_size: Any
+        self,
+        model: nn.Module,
+        index: int,
+        count: int,
+        layers: range,
+        *,
+        loss_chunk_size: Any,
+        tower_checkpoint: bool = False,
     ) -> None:
         super().__init__()
         self.index, self.first, self.last = index, index == 0, index == count - 1
@@ -129,6 +137,7 @@ class StageModule(nn.Module):
         self._model = (model,)
         self.blocks = [moe_blocks(layer) for layer in self.layers]
         self.loss_chunk_size = loss_chunk_size
+        self.tower_checkpoint = tower_checkpoint
         self.inputs: StepInputs | None = None
         self.shares: list[tuple[torch.Tensor, ...]] = []  # the last stage's, per micro-batch
         self.load: torch.Tensor | None = None  # [layers, E] tokens routed this step (fp32)
@@ -176,6 +185,10 @@ class StageModule(nn.Module):
         vision = None
         if packed.group is not None:  # frames sharded over the CP ranks
             vision = functools.partial(image_features, vlm, group=packed.group)
+        elif self.tower_checkpoint:  # the model's own tower call (embed_packed_row's default)
+            vision = functools.partial(_tower, vlm)
+        if self.tower_checkpoint:
+            vision = functools.partial(_checkpointed, vision)
         embeds = embed_packed_row(vlm, row, vision=vision)
         experts = self.blocks[0][0].num_experts
         prob_sum = torch.zeros(experts, device=embeds.device)
@@ -249,3 +262,27 @@ class StageModule(nn.Module):
             ).ce
         self.shares.append((ce.detach(), aux.detach(), None if mtp is None else mtp.detach()))
         return step.loss_of(ce, aux, mtp)
+
+
+def _tower(vlm: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """[media tokens, D]: the tower's merged features, as transformers' model computes them."""
+    return torch.cat(vlm.get_image_features(pixels, grid, return_dict=True).pooler_output)
+
+
+def _checkpointed(vision: Callable, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """``vision(pixels, grid)`` checkpointed whole: the forward keeps its input pixels only and
+    the backward runs the tower again (its blocks checkpointed inside, as without PP). The
+    first stage holds the saved tensors of every micro-batch in flight (up to ``pp`` under
+    1F1B), so the tower's per-block inputs are kept for the one micro-batch whose backward
+    runs, not for each. The recompute equals the forward: the tower draws no random numbers
+    (the RNG state is restored anyway) and the SDPA backend and callable of the forward are
+    restored (:func:`moe_parallel.sdpa_preserving_context`); under CP its frame all-gather runs
+    again on every CP rank, as each recomputes the same micro-batch."""
+    return checkpoint(
+        vision,
+        pixels,
+        grid,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=sdpa_preserving_context,
+    )

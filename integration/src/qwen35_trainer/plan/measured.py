@@ -2,7 +2,8 @@
 against it (``tests/test_plan.py``) and the sequence-parallelism benchmark reports it.
 
 :func:`saved_activation_bytes` builds the recipe's training model on this rank (every rank of the
-launch calls it), runs the objective's forward on step 0's first micro-batch under
+launch calls it), runs the objective's forward (under PP: the first stage's, on the ranks holding it) on step 0's
+first micro-batch under
 ``torch.autograd.graph.saved_tensors_hooks`` and adds up the storages the autograd graph keeps,
 each storage once, parameters left out (sharded, or FSDP-unsharded at that moment: a DTensor's
 local part and the all-gathered tensor are both the parameter's, not an activation).
@@ -31,6 +32,7 @@ def saved_activation_bytes(recipe: Any, device: torch.device | None = None) -> d
     """``{"rank", "saved"}``: the bytes this rank's forward saves for the backward."""
     from qwen35_trainer.data.feed import micro_batches
     from qwen35_trainer.model import build_training_model
+    from qwen35_trainer.model.stages import StepInputs
     from qwen35_trainer.train.step import count_targets
 
     device = device or torch.device("cpu")
@@ -48,6 +50,16 @@ def saved_activation_bytes(recipe: Any, device: torch.device | None = None) -> d
         return t
 
     batch, packed = micro[0]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pipe = objective.pipeline
+    if pipe is not None:  # under PP: the first stage's forward of one micro-batch, on its ranks
+        if not pipe.modules[0].first:
+            return {"rank": rank, "saved": None}
+        stage = pipe.modules[0]
+        stage.inputs = StepInputs(micro, valid, (), lambda *shares: None, layout.loss_group)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            stage(torch.zeros(1, 1, dtype=torch.long, device=device))
+        return {"rank": rank, "saved": sum(seen.values())}
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         objective(batch, layout.loss_group, packed, num_valid_tokens=valid)
-    return {"rank": dist.get_rank() if dist.is_initialized() else 0, "saved": sum(seen.values())}
+    return {"rank": rank, "saved": sum(seen.values())}

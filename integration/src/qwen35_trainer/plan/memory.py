@@ -20,7 +20,10 @@ with a real run's saved tensors):
   (:func:`_saved_with_checkpointing`): each decoder block's input ``S·H·b``, each vision
   block's ``P·Hv·b`` (``P`` = this rank's patches under frame sharding), and the tensors
   outside the blocks; a test compares it with a real forward's saved tensors (one process and
-  CP 2 at world 4). Without checkpointing: every block's working set below (an estimate, not
+  CP 2 at world 4). Under pipeline parallelism the first stage checkpoints the tower WHOLE
+  (:mod:`qwen35_trainer.model.stages`): each micro-batch in flight keeps its pixels only, and
+  the blocks' inputs are held once, while one micro-batch's backward recomputes the tower
+  (counted in ``recompute``; a test compares stage 0's forward with a real one at PP 2). Without checkpointing: every block's working set below (an estimate, not
   validated: the Gated DeltaNet's chunked kernel saves per-chunk matrices it does not model);
 - ``recompute``: the working set of ONE decoder block rebuilt in the backward: the mixer's
   projections, the MoE's routed rows (``k·S`` rows times the ``ROUTING_SKEW`` factor for the
@@ -168,21 +171,31 @@ def _block_working_set(text, s: int, ep_rows: float, b: int, full: bool) -> int:
     return int(s * (mixer + shared) + s * routed)
 
 
-def _saved_with_checkpointing(text, vision, shape: Shape, stage: StageView) -> int:
+def _tower_saved(vision, shape: Shape) -> tuple[int, int]:
+    """``(pixels, blocks)``: the bytes the checkpointed vision tower saves — its input pixels,
+    and each block's input with the merger's saved tensors (module docstring's list)."""
+    b, p, vh = shape.compute_bytes, shape.patches, vision.hidden_size
+    pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    return p * pixels * b, vision.depth * p * vh * b + p * 32 + 4 * p * vh * b
+
+
+def _saved_with_checkpointing(
+    text, vision, shape: Shape, stage: StageView, *, whole_tower: bool
+) -> int:
     """Bytes saved for the backward at the end of the forward when every decoder and vision
     block is checkpointed (the loss's own fp32 gradients are the ``loss`` line): each block's
     input; the final RMSNorm's fp32 input and normalised output; the router logits of every
     layer kept (fp32) for the aux loss; the vision patch embedding's input pixels and the
     bilinear position-table indices / weights (4 int64 per patch); the merger's LayerNorm input,
     fc1 input, activation input and fc2 input (each ``P·Hv`` elements)."""
-    b, p = shape.compute_bytes, shape.patches
+    b = shape.compute_bytes
     s = shape.tokens // shape.sequence_split  # the decoder stack's tokens on this rank
-    h, vh = text.hidden_size, vision.hidden_size
-    pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    h = text.hidden_size
     layers = len(stage.layer_types)
     decoder = layers * s * h * b + 2 * s * h * 4 * stage.last
     router = layers * s * text.num_experts * 4
-    tower = vision.depth * p * vh * b + p * pixels * b + p * 32 + 4 * p * vh * b
+    pixels, blocks = _tower_saved(vision, shape)
+    tower = pixels + (0 if whole_tower else blocks)
     return decoder + router + tower * stage.first
 
 
@@ -212,6 +225,10 @@ def memory(
     activations are its layers' (the tower's on the first stage, the final norm's, the MTP
     head's and the loss's on the last) times those micro-batches."""
     text, vision = model.config.text_config, model.config.vision_config
+    # under PP with checkpointing the first stage checkpoints the tower whole
+    # (qwen35_trainer.model.stages): its blocks' inputs are kept for one micro-batch, in the
+    # backward, not for each in flight
+    whole_tower = stage is not None and checkpointing and stage.first
     stage = stage or StageView(tuple(text.layer_types), True, True, 1.0, 0, 0)
     b, s = shape.compute_bytes, shape.tokens
     params = parameter_bytes(model)
@@ -224,7 +241,7 @@ def memory(
     full_layers = sum(t == "full_attention" for t in text.layer_types)
     vh = vision.hidden_size
     if checkpointing:
-        saved = _saved_with_checkpointing(text, vision, shape, stage)
+        saved = _saved_with_checkpointing(text, vision, shape, stage, whole_tower=whole_tower)
     else:
         saved = sum(
             _block_working_set(text, s // shape.sequence_split, 1.0, b, t == "full_attention")
@@ -235,6 +252,8 @@ def memory(
     saved += _mtp_saved(text, shape, checkpointing=checkpointing) * stage.last
     saved = int(saved * stage.in_flight)
     recompute = max(_block_working_set(text, s, ROUTING_SKEW, b, full) for full in (False, True))
+    if whole_tower:  # the tower's recompute (after the decoder layers' backward)
+        recompute = max(recompute, _tower_saved(vision, shape)[1])
     loss = 0
     if stage.last:
         head_trains = model.lm_head.weight.requires_grad  # a LoRA run's lm_head is frozen

@@ -56,28 +56,47 @@ class Plan:
     headroom: Headroom = dataclasses.field(default_factory=Headroom)
     mtp_parameters: int = 0  # of total_parameters: the multi-token-prediction head's
     bubble: float | None = None  # under PP: the share of a step each rank idles
+    # each planned rank's traffic (``communication`` is the last planned rank's)
+    rank_traffic: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    def rank_peak(self, rank: int) -> int:
+        """``rank``'s predicted peak in bytes: its counted tensors and every headroom term of
+        its own transient bytes (:mod:`.headroom`)."""
+        return self.ranks[rank].peak + sum(self._terms(self.ranks[rank]).values())
+
+    def _terms(self, m: Memory) -> dict[str, int]:
+        return self.headroom.terms(m.peak - m.parameters - m.optimizer, process_groups(self.layout))
+
+    @property
+    def worst_rank(self) -> int:
+        """The planned rank with the largest predicted peak: the verdict is its. Under PP the
+        stages differ (the first holds the tower's activations of every micro-batch in flight,
+        a middle one the most layers), so its counted and transient bytes are one rank's, not
+        the largest of each over different ranks."""
+        return max(self.ranks, key=self.rank_peak)
 
     @property
     def counted_gib(self) -> float:
-        """The peak of the tensors counted (:mod:`.memory`), the larger rank's."""
-        return max(m.peak for m in self.ranks.values()) / GIB
+        """The worst rank's (:attr:`worst_rank`) counted tensors (:mod:`.memory`)."""
+        return self.ranks[self.worst_rank].peak / GIB
 
     @property
     def transient_gib(self) -> float:
-        """Of the counted peak, what is allocated and freed within a step (all but the
-        parameters and the optimizer state), the larger rank's."""
-        return max(m.peak - m.parameters - m.optimizer for m in self.ranks.values()) / GIB
+        """Of the worst rank's counted peak, what is allocated and freed within a step (all but
+        the parameters and the optimizer state)."""
+        m = self.ranks[self.worst_rank]
+        return (m.peak - m.parameters - m.optimizer) / GIB
 
     @property
     def headroom_terms(self) -> dict[str, int]:
-        """What the GPU holds beyond the counted tensors (:mod:`.headroom`), in bytes."""
-        transient = max(m.peak - m.parameters - m.optimizer for m in self.ranks.values())
-        return self.headroom.terms(transient, process_groups(self.layout))
+        """What the worst rank's GPU holds beyond its counted tensors (:mod:`.headroom`), in
+        bytes."""
+        return self._terms(self.ranks[self.worst_rank])
 
     @property
     def peak_gib(self) -> float:
-        """The predicted peak: the counted tensors and every headroom term."""
-        return self.counted_gib + sum(self.headroom_terms.values()) / GIB
+        """The predicted peak: the worst rank's counted tensors and every headroom term."""
+        return self.rank_peak(self.worst_rank) / GIB
 
     @property
     def fits(self) -> bool:
@@ -92,10 +111,16 @@ class Plan:
             "active_parameters": self.active_parameters,
             "mtp_parameters": self.mtp_parameters,
             "ranks": {
-                str(r): {**dataclasses.asdict(m), "peak": m.peak} for r, m in self.ranks.items()
+                str(r): {
+                    **dataclasses.asdict(m),
+                    "peak": m.peak,
+                    "predicted_peak": self.rank_peak(r),
+                }
+                for r, m in self.ranks.items()
             },
             "communication_bytes_per_step": self.communication,
             "routing_skew": ROUTING_SKEW,
+            "worst_rank": self.worst_rank,
             "counted_peak_gib": self.counted_gib,
             "transient_gib": self.transient_gib,
             "headroom_gib": {k: v / GIB for k, v in self.headroom_terms.items()},
@@ -148,14 +173,15 @@ def communication(model, dims, shape: Shape, layer_types=None) -> dict[str, int]
     def ring(n: int) -> float:
         return (n - 1) / n if n > 1 else 0.0
 
-    gather = 2 * (dense * b * ring(shard) + experts / dims.ep * b * ring(efsdp))
-    scatter = dense * 4 * ring(shard) + experts / dims.ep * 4 * ring(efsdp)
+    expert_shard = experts / dims.ep
     a2a = len(layer_types) * shape.tokens * text.num_experts_per_tok * text.hidden_size
     full = sum(t == "full_attention" for t in layer_types)
     kv = 2 * text.num_key_value_heads * text.head_dim
     return {
-        "fsdp_all_gather": int(gather),
-        "fsdp_reduce_scatter": int(scatter),
+        "fsdp_all_gather": int(2 * dense * b * ring(shard)),
+        "fsdp_reduce_scatter": int(dense * 4 * ring(shard)),
+        "expert_fsdp_all_gather": int(2 * expert_shard * b * ring(efsdp)),
+        "expert_fsdp_reduce_scatter": int(expert_shard * 4 * ring(efsdp)),
         "ep_all_to_all": int(a2a * b * 2 * 3 * ring(dims.ep)),
         "cp_exchange": int(full * shape.row_tokens * kv * b * 3 * ring(dims.cp)),
         "vision_gather": int(shape.image_tokens * text.hidden_size * b * 2 * ring(dims.cp)),
@@ -259,13 +285,14 @@ def plan(
     if world != p.world:
         recipe = dataclasses.replace(recipe, parallel=p.filling(world, "--world-size"))
     dims = validate_layout(recipe, world, on_this_machine=False)
-    ranks = {}
+    ranks, rank_traffic = {}, {}
     # the first and last ranks; under PP the first rank of every stage (each holds other layers)
     planned = sorted({0, world - 1, *range(0, world, world // p.pp)})
     with rank_processes(min(len(planned), PLAN_PROCESSES)) as pool:
         futures = {rank: pool.submit(_rank_plan, recipe, dims, rank) for rank in planned}
         for rank, future in futures.items():
             ranks[rank], (total, routed, mtp), traffic = future.result()
+            rank_traffic[rank] = traffic
     if p.pp > 1:  # a planned rank holds its stages only: count the whole model
         total, routed, mtp = parameter_counts(build_meta_model(recipe.model))
     text = build_config(recipe.model).text_config
@@ -287,4 +314,5 @@ def plan(
         bubble=bubble_fraction(p.pp_schedule, p.pp, p.pp_virtual_stages, micro)
         if p.pp > 1
         else None,
+        rank_traffic=rank_traffic,
     )

@@ -28,7 +28,13 @@ def format_plan(p: Plan) -> str:
     for field in [*fields, "peak"]:
         values = "".join(f"{getattr(m, field) / GIB:12.2f}" for m in p.ranks.values())
         lines.append(f"  {'tensors counted' if field == 'peak' else field:<19}{values}")
-    lines += ["", "beyond the counted tensors (--headroom NAME=VALUE to change)"]
+    predicted = "".join(f"{p.rank_peak(r) / GIB:12.2f}" for r in p.ranks)
+    lines.append(f"  {'predicted peak':<19}{predicted}")
+    lines += [
+        "",
+        f"beyond the counted tensors of rank {p.worst_rank}, the largest predicted peak "
+        "(--headroom NAME=VALUE to change)",
+    ]
     lines += [f"  {term:<27}{n / GIB:8.2f}" for term, n in p.headroom_terms.items()]
     lines += ["", "communication per step (GiB sent per rank)"]
     lines += [f"  {kind:<19}{n / GIB:12.2f}" for kind, n in p.communication.items()]
@@ -37,7 +43,8 @@ def format_plan(p: Plan) -> str:
     verdict = "fits" if p.fits else "does NOT fit"
     lines += [
         "",
-        f"predicted peak {p.peak_gib:.2f} GiB per GPU ({p.counted_gib:.2f} counted + "
+        f"predicted peak {p.peak_gib:.2f} GiB per GPU (rank {p.worst_rank}: "
+        f"{p.counted_gib:.2f} counted + "
         f"{p.peak_gib - p.counted_gib:.2f} headroom): {verdict} in "
         f"{p.gpu_memory_gib:g} GiB",
     ]
