@@ -119,6 +119,7 @@ class Plan:
                 for r, m in self.ranks.items()
             },
             "communication_bytes_per_step": self.communication,
+            "rank_traffic": {str(r): t for r, t in self.rank_traffic.items()},
             "routing_skew": ROUTING_SKEW,
             "worst_rank": self.worst_rank,
             "counted_peak_gib": self.counted_gib,
@@ -174,10 +175,15 @@ def communication(model, dims, shape: Shape, layer_types=None) -> dict[str, int]
         return (n - 1) / n if n > 1 else 0.0
 
     expert_shard = experts / dims.ep
+    traffic = {}
+    if dims.dp_replicate > 1:  # HSDP: each shard's fp32 gradient all-reduced over the replicas
+        local = dense / shard + expert_shard / efsdp
+        traffic["hsdp_all_reduce"] = int(2 * local * 4 * ring(dims.dp_replicate))
     a2a = len(layer_types) * shape.tokens * text.num_experts_per_tok * text.hidden_size
     full = sum(t == "full_attention" for t in layer_types)
     kv = 2 * text.num_key_value_heads * text.head_dim
     return {
+        **traffic,
         "fsdp_all_gather": int(2 * dense * b * ring(shard)),
         "fsdp_reduce_scatter": int(dense * 4 * ring(shard)),
         "expert_fsdp_all_gather": int(2 * expert_shard * b * ring(efsdp)),

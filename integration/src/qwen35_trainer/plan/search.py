@@ -146,6 +146,7 @@ def crossing_groups(dims: ParallelDims, node_gpus: int) -> set[str]:
         return bool((nodes.amax(1) != nodes.amin(1)).any())
 
     kinds = {
+        "hsdp_all_reduce": spans(dense, 1),
         "fsdp_all_gather": spans(dense, (2, 3)),
         "fsdp_reduce_scatter": spans(dense, (2, 3)),
         "expert_fsdp_all_gather": spans(expert, 2),
