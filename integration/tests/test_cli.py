@@ -162,7 +162,7 @@ def test_help_names_outputs_and_builtin_recipes(capsys, flag):
         "Built-in recipes: qwen3_5_122b_a10b_128k, qwen3_5_122b_a10b_lora, "
         "qwen3_5_122b_a10b_lora_fp8, qwen3_5_35b_a3b, qwen3_5_35b_a3b_lora, "
         "qwen3_5_35b_a3b_lora_fp8, qwen3_5_397b_a17b, qwen3_5_397b_a17b_lora, "
-        "qwen3_5_397b_a17b_lora_fp8, tiny" in out
+        "qwen3_5_397b_a17b_lora_fp8, qwen3_5_397b_a17b_pp, tiny" in out
     )
 
 

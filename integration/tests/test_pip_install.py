@@ -104,7 +104,7 @@ def test_the_wheel_built_from_the_sdist_carries_the_recipes(tmp_path):
     assert where.startswith(str(tmp_path / "wheel"))
     listed = " ".join(usage.split()).split("Built-in recipes: ")[1]
     assert listed.startswith("qwen3_5_122b_a10b_128k, qwen3_5_122b_a10b_lora, qwen3_5_122b_a10b")
-    assert "qwen3_5_397b_a17b_lora_fp8, tiny" in listed
+    assert "qwen3_5_397b_a17b_lora_fp8, qwen3_5_397b_a17b_pp, tiny" in listed
 
 
 def test_the_readme_commands_bring_uv():
