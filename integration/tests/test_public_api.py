@@ -16,7 +16,8 @@ import qwen35_trainer
 PACKAGE = Path(qwen35_trainer.__file__).parent
 MODULES = sorted(m.name for m in pkgutil.walk_packages([str(PACKAGE)], "qwen35_trainer."))
 # A module may import its own stage and the stages before it.
-ORDER = ["recipe", "parallel", "data", "model", "train", "plan", "cli"]
+# cli_common: the exit codes and recipe arguments every command shares (imports nothing)
+ORDER = ["cli_common", "recipe", "parallel", "data", "model", "train", "plan", "cli"]
 
 
 def _stage(module: str) -> str:
