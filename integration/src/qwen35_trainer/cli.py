@@ -1,5 +1,6 @@
 """``qwen35-train RECIPE [--set section.key=value ...] [--nproc N]``: train a recipe;
-``qwen35-train plan RECIPE [--world-size N] [--gpu-memory GiB] [--json FILE]``: will it fit?
+``qwen35-train plan RECIPE [--world-size N] [--gpu-memory GiB] [--json FILE] [--search]``: will it
+fit (``--search``: which layout)?
 ``qwen35-train export RECIPE CHECKPOINT OUT``: a training checkpoint as a transformers directory;
 ``qwen35-train data make-demo DIR`` / ``qwen35-train data check RECIPE``: the demo dataset, and
 a report of a recipe's dataset read through its processor;
