@@ -34,7 +34,9 @@ PP_SCHEDULES = {
 }
 # torch's zero-bubble schedules split each backward into the inputs' gradients, then the
 # weights' from the retained graph: the last stage's fused cross-entropy (its gradients made
-# in the forward, chunked-loss) refuses a second backward, so these are not offered yet
+# in the forward, chunked-loss) refuses a second backward, and with its recompute path
+# interleaved_zb runs but the weight gradients of FSDP2-wrapped stages differ from one
+# process's (exact without FSDP; measured on gloo, torch 2.15), so these are not offered yet
 ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 
 
@@ -54,9 +56,11 @@ def pipeline_refusals(recipe: Any, text_config: Any | None) -> list[str]:
     v = p.pp_virtual_stages
     if p.pp_schedule in ZERO_BUBBLE:
         reasons.append(
-            f"parallel.pp_schedule={p.pp_schedule} (zero bubble) is not built yet: it "
-            "backpropagates each stage twice (input, then weight gradients), which the fused "
-            "cross-entropy of the last stage refuses; use 1f1b or interleaved_1f1b"
+            f"parallel.pp_schedule={p.pp_schedule} (zero bubble) is not built yet: torch "
+            "backpropagates each stage twice (input, then weight gradients from the retained "
+            "graph); on the trainer's FSDP2-wrapped stages the weight gradients then differ "
+            "from one process's, and the fused cross-entropy of the last stage refuses a second "
+            "backward; use 1f1b or interleaved_1f1b"
         )
     elif kind is None:
         reasons.append(

@@ -141,9 +141,8 @@ def row_shape(recipe, cp: int) -> Shape:
     merge = vision.get("spatial_merge_size", 2) ** 2
     patches = max(t * h * w for t, h, w in data.image_grids) * data.images_per_sample
     frames = max(t for t, _, _ in data.image_grids) * data.images_per_sample
-    n = data.samples_per_rank
-    if recipe.parallel.pp > 1:  # a pipeline micro-batch: the step's samples over the micro-batches
-        n = max(1, n // recipe.train.grad_accum_steps)
+    # one micro-batch's samples: the feed splits a rank's step over the micro-batches
+    n = max(1, data.samples_per_rank // recipe.train.grad_accum_steps)
     row = data.pack_length or n * max_sample_tokens(recipe.model, data)
     if data.dataset:  # a dataset's rows of one rank and micro-batch run as one sequence
         groups = recipe.parallel.dp_replicate * recipe.parallel.dp
