@@ -231,7 +231,9 @@ def check_megatron_materialized_weights(overrides, expected) -> None:
 
 def measured_state_bytes(overrides) -> dict[str, int]:
     """After one training step of the tiny layout ``overrides``: this rank's bytes of parameter
-    shards, gradient shards and optimizer state (for the planner's exact counts)."""
+    shards, gradient shards and optimizer state, and (pipeline stages, whose FSDP reduction is
+    finalised by hand) the unsharded gradients held when the reduction starts (for the
+    planner's exact counts)."""
     import torch
 
     from qwen35_trainer import train
@@ -249,13 +251,38 @@ def measured_state_bytes(overrides) -> dict[str, int]:
             if p.grad is not None
         )
 
+    from torch.distributed.fsdp import FSDPModule
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    finalize = FSDPModule.finalize_backward
+    captured["unsharded_grads"] = captured["unsharded_params"] = 0
+
+    def unsharded_before_reduce(module, **kwargs):  # a pipeline stage's, after its backward
+        states = module._get_fsdp_state()._state_ctx.all_states
+        unsharded = [
+            param
+            for state in states
+            for group in state._fsdp_param_groups
+            for fsdp_param in group.fsdp_params
+            if (param := getattr(fsdp_param, "_unsharded_param", None)) is not None
+        ]
+        captured["unsharded_grads"] += sum(
+            local(p.grad).numel() * p.grad.dtype.itemsize for p in unsharded if p.grad is not None
+        )
+        captured["unsharded_params"] += sum(  # those whose data is allocated (gathered)
+            local(p).numel() * p.dtype.itemsize
+            for p in unsharded
+            if local(p).untyped_storage().nbytes()
+        )
+        return finalize(module, **kwargs)
+
     hook = register_optimizer_step_pre_hook(grads_before_step)
+    FSDPModule.finalize_backward = unsharded_before_reduce
     try:
         result = train(load_recipe(TINY, [*overrides, "train.steps=1"]))
     finally:
         hook.remove()
+        FSDPModule.finalize_backward = finalize
     params = list(result.objective.parameters())
     captured["parameters"] = sum(local(p).numel() * p.dtype.itemsize for p in params)
     optimizer = result.optimizer

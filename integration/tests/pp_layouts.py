@@ -15,6 +15,7 @@ PP2 = ("parallel.dp={half}", "parallel.pp=2", "data.samples_per_rank={rows}", *P
 PP_MTP = (*PP_ROWS, "model.mtp_layers=1")
 PP_LORA = (*PP_ROWS, *LORA, "model.lora.train_modules=[mlp.gate, lm_head]")
 INTERLEAVED = ("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2")
+ZERO_BUBBLE = ("parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual_stages=2")
 
 PP_LAYOUTS = {
     # PP 2 (1F1B) with checkpointing and the MTP head, over images and packed rows; also
@@ -22,6 +23,13 @@ PP_LAYOUTS = {
     "pp2_1f1b_ac": ((*PP2, *PP_MTP, "train.activation_checkpointing=true"), "pp_mtp", (2,)),
     # interleaved 1F1B, 2 stages per rank (4 stages of one layer each)
     "pp2_interleaved": ((*PP2, *PP_MTP, *INTERLEAVED), "pp_mtp", (2,)),
+    # zero bubble (each backward split: inputs, then weights from the retained graph) with
+    # checkpointing (recomputed in both passes) and the MTP head
+    "pp2_zb_ac": (
+        (*PP2, *PP_MTP, *ZERO_BUBBLE, "train.activation_checkpointing=true"),
+        "pp_mtp",
+        (2,),
+    ),
     # LoRA with the routers and lm_head trained in full, GPipe
     "pp2_lora_gpipe": ((*PP2, *PP_LORA, "parallel.pp_schedule=gpipe"), "pp_lora", (2,)),
     # PP 2 x DP 2 (FSDP2 per stage) x EP 2, interleaved (the aux loss is per
@@ -55,6 +63,20 @@ PP_LAYOUTS = {
     ),
     "pp2_dp2_ep2_interleaved": (
         (*PP2, *PP_MTP, "parallel.ep=2", *INTERLEAVED, "train.router_aux_loss_coef=0"),
+        "pp_no_aux",
+        (4,),
+    ),
+    # zero bubble over FSDP2 stages (their units kept unsharded for the weights' pass) with EP
+    # and checkpointing
+    "pp2_dp2_ep2_zb": (
+        (
+            *PP2,
+            *PP_MTP,
+            "parallel.ep=2",
+            *ZERO_BUBBLE,
+            "train.router_aux_loss_coef=0",
+            "train.activation_checkpointing=true",
+        ),
         "pp_no_aux",
         (4,),
     ),

@@ -96,7 +96,12 @@ def test_stage_layers_default_explicit_and_placement():
         (("parallel.pp=5", "train.grad_accum_steps=5"), "4 decoder layers, fewer than"),
         (("train.grad_accum_steps=1",), "1f1b needs at least parallel.pp=2 micro-batches"),
         (("parallel.pp_schedule=looped",), "parallel.pp_schedule must be one of"),
-        (("parallel.pp_schedule=interleaved_zb",), "(zero bubble) is not built yet"),
+        (("parallel.pp_schedule=zbv",), "(V-shaped zero bubble) is not built yet"),
+        (
+            ("parallel.pp_schedule=interleaved_zb",),
+            "parallel.pp_schedule=interleaved_zb interleaves stages: parallel.pp_virtual_stages "
+            "must be >= 2",
+        ),
         (("parallel.pp_virtual_stages=2",), "runs one stage per rank"),
         (("parallel.pp_schedule=interleaved_1f1b",), "pp_virtual_stages must be >= 2"),
         (("parallel.pp_microbatches=4",), "must equal train.grad_accum_steps=2"),
@@ -177,3 +182,7 @@ def test_micro_batches_in_flight_per_schedule():
     assert (interleaved.first, interleaved.last, interleaved.receives) == (True, False, 1)
     assert bubble_fraction("1f1b", 4, 1, 8) == pytest.approx(3 / 11)
     assert bubble_fraction("interleaved_1f1b", 4, 2, 8) == pytest.approx(3 / 19)
+    # zero bubble: the weights' passes fill two thirds of it (equal F, B and W)
+    assert bubble_fraction("interleaved_zb", 4, 2, 8) == pytest.approx(3 / 51)
+    zb = view("interleaved_zb", [0, 4], 8)
+    assert zb.in_flight == interleaved.in_flight

@@ -212,17 +212,23 @@ def world4():
 
 @pytest.mark.parametrize("layout", SMALL)
 def test_predicted_state_bytes_equal_a_real_run(layout, world4):
-    """Parameters, gradients and optimizer state per rank: the planner's counts (ranks 0 and 3)
-    equal what a real one-step run at world 4 holds, byte for byte."""
+    """Parameters, gradients and optimizer state per rank, and under PP the unsharded fp32
+    gradients each stage holds until its reduce-scatter: the planner's counts (ranks 0 and 3;
+    under PP 0, 2 and 3) equal what a real one-step run at world 4 holds, byte for byte."""
     predicted = plan(load_recipe(TINY, (*SYNTHETIC, *SMALL[layout]))).ranks
     measured = {value["rank"]: value for value in world4.assert_passed(f"state_{layout}")}
     for rank, mem in predicted.items():
         got = measured[rank]
-        assert (mem.parameters, mem.gradients, mem.optimizer) == (
+        assert (mem.parameters, mem.gradients, mem.optimizer, mem.pp_grads) == (
             got["parameters"],
             got["gradients"],
             got["optimizer"],
+            got["unsharded_grads"],
         ), (rank, mem, got)
+    if layout == "pp2_dp2_ep2":  # each stage's unsharded fp32 gradients until the reduce
+        assert all(mem.pp_grads > 0 for mem in predicted.values())
+        for rank, mem in predicted.items():  # and every unit unsharded after its backward
+            assert mem.fsdp_buffers == measured[rank]["unsharded_params"], (rank, mem)
 
 
 # world-2 layouts whose saved activations are measured in ONE launch: TP 2 + SP with MTP, and

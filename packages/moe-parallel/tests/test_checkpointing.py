@@ -222,3 +222,26 @@ def test_grouped_gemm_probe_is_invisible_to_dispatch_modes_and_saved_tensor_hook
     ):
         assert _probe("cpu", torch.float32)
     assert ops == [] and packed == []
+
+
+def test_a_block_recomputed_twice_enters_the_restore_context_twice():
+    """A graph backpropagated twice (``retain_graph``; a zero-bubble pipeline's inputs pass,
+    then its weights pass) recomputes a checkpointed block each time: the recompute context
+    (the forward's SDPA backends and callable restored) must enter again, and both passes
+    give the plain block's gradients."""
+    from moe_parallel import sdpa_preserving_context
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def block(x):
+        q = (x @ w).view(1, 2, 4, 4)
+        return F.scaled_dot_product_attention(q, q, q).sum()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    plain = torch.autograd.grad(block(x), (x, w))
+    out = checkpoint(block, x, use_reentrant=False, context_fn=sdpa_preserving_context)
+    inputs = torch.autograd.grad(out, x, retain_graph=True)
+    weights = torch.autograd.grad(out, w)
+    assert_close(inputs[0], plain[0])
+    assert_close(weights[0], plain[1])

@@ -28,7 +28,12 @@ from torch import nn
 
 from qwen35_trainer.model.flops import layer_costs
 from qwen35_trainer.model.stages import StageModule, StepInputs, keep_stages
-from qwen35_trainer.parallel.pipeline_split import PP_SCHEDULES, balanced_split, stages_of_rank
+from qwen35_trainer.parallel.pipeline_split import (
+    PP_SCHEDULES,
+    SPLIT_BACKWARD,
+    balanced_split,
+    stages_of_rank,
+)
 
 __all__ = ["Pipeline", "PipelinePlan", "build_pipeline", "plan_pipeline", "stage_layers"]
 
@@ -53,6 +58,11 @@ class PipelinePlan:
     # train.activation_checkpointing: the first stage also checkpoints the vision tower whole
     # (StageModule): its block inputs are then kept for one micro-batch, not each in flight
     tower_checkpoint: bool = False
+
+    @property
+    def split_backward(self) -> bool:
+        """A zero-bubble schedule: each backward in two passes (``SPLIT_BACKWARD``)."""
+        return self.schedule in SPLIT_BACKWARD
 
 
 @dataclasses.dataclass
@@ -145,6 +155,7 @@ def build_pipeline(
             plan.stage_layers[s],
             loss_chunk_size=plan.loss_chunk_size,
             tower_checkpoint=plan.tower_checkpoint,
+            backward_twice=plan.split_backward,
         )
         for s in plan.mine
     ]
@@ -153,7 +164,8 @@ def build_pipeline(
     for module in modules:
         module.sequence_group = objective.router.sequence_group
         module.aux_group = objective.router.aux_group
-        shard(module)
+        # split backward: the units stay unsharded from the forward to the weights' pass
+        shard(module, **({"reshard_after_forward": False} if plan.split_backward else {}))
         stages.append(
             pipelining.PipelineStage(
                 module,

@@ -122,6 +122,7 @@ class StageModule(nn.Module):
         *,
         loss_chunk_size: Any,
         tower_checkpoint: bool = False,
+        backward_twice: bool = False,
     ) -> None:
         super().__init__()
         self.index, self.first, self.last = index, index == 0, index == count - 1
@@ -138,6 +139,10 @@ class StageModule(nn.Module):
         self.blocks = [moe_blocks(layer) for layer in self.layers]
         self.loss_chunk_size = loss_chunk_size
         self.tower_checkpoint = tower_checkpoint
+        # a zero-bubble schedule backpropagates the loss twice (inputs, then weights): the
+        # cross-entropy recomputes its chunks' gradients in the backward rather than forming
+        # them in the forward (chunked-loss's fused path refuses a second backward)
+        self.backward_twice = backward_twice
         self.inputs: StepInputs | None = None
         self.shares: list[tuple[torch.Tensor, ...]] = []  # the last stage's, per micro-batch
         self.load: torch.Tensor | None = None  # [layers, E] tokens routed this step (fp32)
@@ -244,6 +249,7 @@ class StageModule(nn.Module):
             ignore_index=IGNORE_INDEX,
             chunk_size=self.loss_chunk_size,
             num_valid_tokens=step.num_valid,
+            grad_in_forward=False if self.backward_twice else None,
         )
         aux = self._aux(prob_sum, counts, step.loss_group) / len(step.micro)
         mtp = None

@@ -226,10 +226,11 @@ def _frozen(param: torch.nn.Parameter) -> bool:
     return not param.requires_grad
 
 
-def _shard_stage(shard: Callable, stage: torch.nn.Module) -> None:
-    """FSDP2 on one pipeline stage, its units those of :data:`FSDP_UNITS` it holds."""
+def _shard_stage(shard: Callable, stage: torch.nn.Module, **options: Any) -> None:
+    """FSDP2 on one pipeline stage, its units those of :data:`FSDP_UNITS` it holds
+    (``options``: FSDP's, e.g. ``reshard_after_forward``)."""
     held = {type(m).__name__ for m in stage.modules()}
-    shard(stage, unit_modules=[unit for unit in FSDP_UNITS if unit in held])
+    shard(stage, unit_modules=[unit for unit in FSDP_UNITS if unit in held], **options)
 
 
 def apply_parallelism(

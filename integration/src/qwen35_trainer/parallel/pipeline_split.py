@@ -20,7 +20,8 @@ from typing import Any
 
 __all__ = [
     "PP_SCHEDULES",
-    "ZERO_BUBBLE",
+    "SPLIT_BACKWARD",
+    "ZERO_BUBBLE_V",
     "balanced_split",
     "pipeline_refusals",
     "stages_of_rank",
@@ -31,13 +32,16 @@ PP_SCHEDULES = {
     "gpipe": ("ScheduleGPipe", "single"),
     "1f1b": ("Schedule1F1B", "single"),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", "multi"),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "multi"),
 }
-# torch's zero-bubble schedules split each backward into the inputs' gradients, then the
-# weights' from the retained graph: the last stage's fused cross-entropy (its gradients made
-# in the forward, chunked-loss) refuses a second backward, and with its recompute path
-# interleaved_zb runs but the weight gradients of FSDP2-wrapped stages differ from one
-# process's (exact without FSDP; measured on gloo, torch 2.15), so these are not offered yet
-ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
+# schedules that split each backward into the inputs' gradients, then the weights' from the
+# retained graph (zero bubble): the last stage's cross-entropy takes chunked-loss's recompute
+# path (its fused path forms the gradients in the forward and refuses a second backward), and
+# each stage's FSDP units stay unsharded from their forward to the step's end (resharded
+# between the two, the weights' pass would write gradients FSDP never reduces)
+SPLIT_BACKWARD = ("interleaved_zb",)
+# torch's V-shaped zero-bubble schedules place stages s and 2·pp − 1 − s on one rank
+ZERO_BUBBLE_V = ("zbv", "dualpipev")
 
 
 def pipeline_refusals(recipe: Any, text_config: Any | None) -> list[str]:
@@ -54,13 +58,11 @@ def pipeline_refusals(recipe: Any, text_config: Any | None) -> list[str]:
     reasons = []
     kind = PP_SCHEDULES.get(p.pp_schedule, (None, None))[1]
     v = p.pp_virtual_stages
-    if p.pp_schedule in ZERO_BUBBLE:
+    if p.pp_schedule in ZERO_BUBBLE_V:
         reasons.append(
-            f"parallel.pp_schedule={p.pp_schedule} (zero bubble) is not built yet: torch "
-            "backpropagates each stage twice (input, then weight gradients from the retained "
-            "graph); on the trainer's FSDP2-wrapped stages the weight gradients then differ "
-            "from one process's, and the fused cross-entropy of the last stage refuses a second "
-            "backward; use 1f1b or interleaved_1f1b"
+            f"parallel.pp_schedule={p.pp_schedule} (V-shaped zero bubble) is not built yet: it "
+            "places stages s and 2·pp − 1 − s on one rank, the trainer places stage s on rank "
+            "s % pp; use interleaved_zb (zero bubble, interleaved placement)"
         )
     elif kind is None:
         reasons.append(

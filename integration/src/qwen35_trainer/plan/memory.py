@@ -42,6 +42,14 @@ with a real run's saved tensors):
   weight at a time as it runs: the largest such weight on this rank (a layer's local experts'
   ``gate_up_proj``) in ``b``, plus the dequantization's two fp32 temporaries of at most
   :data:`moe_parallel.fp8.CHUNK_ELEMENTS` elements;
+- ``pp_grads`` (pipeline parallelism under FSDP): torch's pipeline stages turn FSDP's gradient
+  sync off for every micro-batch but the last, so each unit's gradients stay unsharded and
+  accumulate in fp32 from the first backward to the step's reduce-scatter: every trained
+  parameter of the stage unsharded (the experts split over EP), 4 bytes each; the
+  ``fsdp_buffers`` line then holds no gradient of its own (a test measures it at PP 2 × DP 2),
+  and the sharded ``gradients``, made by that reduce-scatter once the activations are freed,
+  are held at the peak only where they exceed the step's working tensors
+  (:attr:`Memory.peak`);
 - ``cp_buffers``: full attention's K/V of the whole row gathered over CP (``L_full · T ·
   2·kv·hd · b`` for one layer at a time) and the Gated DeltaNet's passed state (fp32);
 - ``vision``: the merged image features of the whole row gathered over CP (``T_img · H · b``);
@@ -98,10 +106,18 @@ class Memory:
     cp_buffers: int
     vision: int
     dequantized: int = 0
+    pp_grads: int = 0
 
     @property
     def peak(self) -> int:
-        return sum(dataclasses.astuple(self))
+        """Every line's bytes held at once; under PP (``pp_grads``) the sharded ``gradients``
+        appear only at the step's final reduce-scatter, after the activations are freed, so
+        the peak holds the larger of them and the step's working tensors."""
+        total = sum(dataclasses.astuple(self))
+        if not self.pp_grads:
+            return total
+        working = total - self.parameters - self.optimizer - self.pp_grads - self.gradients
+        return total - self.gradients - working + max(working, self.gradients)
 
 
 def _local_numel(param: torch.Tensor) -> int:
@@ -228,7 +244,8 @@ def memory(
     # under PP with checkpointing the first stage checkpoints the tower whole
     # (qwen35_trainer.model.stages): its blocks' inputs are kept for one micro-batch, in the
     # backward, not for each in flight
-    whole_tower = stage is not None and checkpointing and stage.first
+    pipelined = stage is not None
+    whole_tower = pipelined and checkpointing and stage.first
     stage = stage or StageView(tuple(text.layer_types), True, True, 1.0, 0, 0)
     b, s = shape.compute_bytes, shape.tokens
     params = parameter_bytes(model)
@@ -258,13 +275,29 @@ def memory(
     if stage.last:
         head_trains = model.lm_head.weight.requires_grad  # a LoRA run's lm_head is frozen
         loss = s * h * 4 + text.vocab_size * h * 4 * head_trains + LOSS_CHUNK_BYTES
-    unit = max(
-        (2 * _unit_bytes(u, dims.ep, b) + _unit_numel(u, dims.ep, trained=True) * 4 for u in units),
-        default=0,
-    )
     covered = {id(p) for u in units for p in u.parameters()}
     outside = [p for p in model.parameters() if id(p) not in covered]
-    root = sum(math.prod(p.shape) * (_gathered(p, b) + 4 * p.requires_grad) for p in outside)
+    no_sync = pipelined and sharded  # torch's stages reduce-scatter after the last backward only
+    pp_grads = 0
+    if no_sync:
+        pp_grads = 4 * (
+            sum(_unit_numel(u, dims.ep, trained=True) for u in units)
+            + sum(math.prod(p.shape) for p in outside if p.requires_grad)
+        )
+    if no_sync:  # each unit stays unsharded after its backward: all of them by the last one
+        unit = sum(_unit_bytes(u, dims.ep, b) for u in units)
+    else:
+        unit = max(
+            (
+                2 * _unit_bytes(u, dims.ep, b) + _unit_numel(u, dims.ep, trained=True) * 4
+                for u in units
+            ),
+            default=0,
+        )
+    root = sum(
+        math.prod(p.shape) * (_gathered(p, b) + 4 * p.requires_grad * (not no_sync))
+        for p in outside
+    )
     fsdp = unit + root
     if not sharded:  # the bf16 compute copies of the modules trained in full
         fsdp = sum(
@@ -289,4 +322,5 @@ def memory(
         cp,
         gathered,
         _dequantized(model, b),
+        pp_grads,
     )

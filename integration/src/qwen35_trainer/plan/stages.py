@@ -14,13 +14,19 @@ stages), for pipeline rank ``r`` of ``pp`` over ``m`` micro-batches with ``v`` s
   rank's layers: that many over ``v`` micro-batches of all its layers, at most ``m``.
 
 Bubble (the share of a step a rank idles, equal-cost stages): ``(pp - 1) / (m + pp - 1)``
-for GPipe and 1F1B, ``(pp - 1) / (v·m + pp - 1)`` interleaved.
+for GPipe and 1F1B, ``(pp - 1) / (v·m + pp - 1)`` interleaved, and ``(pp - 1) / (3·v·m + pp -
+1)`` for interleaved zero bubble: with the forward, the inputs' backward and the weights'
+backward taking equal time (ZB-H1's model), the deferred weight passes fill two thirds of the
+interleaved bubble. Its in-flight count is interleaved 1F1B's (the inputs a deferred weight
+pass still needs are held a little longer: not modelled).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from qwen35_trainer.parallel.pipeline_split import SPLIT_BACKWARD
 
 __all__ = ["StageView", "bubble_fraction", "p2p_bytes", "stage_view"]
 
@@ -63,6 +69,8 @@ def stage_view(pipeline: Any, layer_types: list[str], microbatches: int, pp: int
 def bubble_fraction(schedule: str, pp: int, virtual: int, microbatches: int) -> float:
     """The share of a step each rank idles (module docstring)."""
     chunks = microbatches * (virtual if schedule != "gpipe" else 1)
+    if schedule in SPLIT_BACKWARD:  # each chunk's time in thirds, one of which fills the bubble
+        chunks *= 3
     return (pp - 1) / (chunks + pp - 1)
 
 

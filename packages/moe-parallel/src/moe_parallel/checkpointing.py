@@ -52,15 +52,28 @@ _SAVE_OPS = {
 }
 
 
-@contextlib.contextmanager
-def _restored(backends: list, sdpa) -> Iterator[None]:
-    current = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = sdpa
-    try:
-        with sdpa_kernel(backends):
-            yield
-    finally:
-        F.scaled_dot_product_attention = current
+class _Restored:
+    """The forward's SDPA backend set and SDPA callable, restored around a recompute. A class,
+    not a generator: a graph backpropagated twice (``retain_graph``; a pipeline's split
+    backward, inputs then weights) recomputes a checkpointed block twice, entering the same
+    context each time."""
+
+    def __init__(self, backends: list, sdpa) -> None:
+        self.backends, self.sdpa = backends, sdpa
+        self.entered: list = []
+
+    def __enter__(self) -> None:
+        kernel = sdpa_kernel(self.backends)
+        self.entered.append((F.scaled_dot_product_attention, kernel))
+        F.scaled_dot_product_attention = self.sdpa
+        kernel.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        current, kernel = self.entered.pop()
+        try:
+            kernel.__exit__(*exc)
+        finally:
+            F.scaled_dot_product_attention = current
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -76,9 +89,9 @@ def sdpa_preserving_context(selective: bool = False):
     backends = _cur_sdpa_kernel_backends()
     sdpa = F.scaled_dot_product_attention
     if not selective:
-        return contextlib.nullcontext(), _restored(backends, sdpa)
+        return contextlib.nullcontext(), _Restored(backends, sdpa)
     forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_save_matmuls)
-    return forward_ctx, _nested(_restored(backends, sdpa), recompute_ctx)
+    return forward_ctx, _nested(_Restored(backends, sdpa), recompute_ctx)
 
 
 @contextlib.contextmanager
