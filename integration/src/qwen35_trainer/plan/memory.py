@@ -23,8 +23,9 @@ with a real run's saved tensors):
   CP 2 at world 4). Under pipeline parallelism the first stage checkpoints the tower WHOLE
   (:mod:`qwen35_trainer.model.stages`): each micro-batch in flight keeps its pixels only, and
   the blocks' inputs are held once, while one micro-batch's backward recomputes the tower
-  (counted in ``recompute``; a test compares stage 0's forward with a real one at PP 2). Without checkpointing: every block's working set below (an estimate, not
-  validated: the Gated DeltaNet's chunked kernel saves per-chunk matrices it does not model);
+  (counted in ``recompute``; a test compares stage 0's forward with a real one at PP 2).
+  Without checkpointing: every block's working set below (an estimate, not validated: the
+  Gated DeltaNet's chunked kernel saves per-chunk matrices it does not model);
 - ``recompute``: the working set of ONE decoder block rebuilt in the backward: the mixer's
   projections, the MoE's routed rows (``k·S`` rows times the ``ROUTING_SKEW`` factor for the
   busiest EP rank) and the shared expert;
@@ -116,8 +117,8 @@ class Memory:
         total = sum(dataclasses.astuple(self))
         if not self.pp_grads:
             return total
-        working = total - self.parameters - self.optimizer - self.pp_grads - self.gradients
-        return total - self.gradients - working + max(working, self.gradients)
+        held = self.parameters + self.optimizer + self.pp_grads
+        return held + max(total - held - self.gradients, self.gradients)
 
 
 def _local_numel(param: torch.Tensor) -> int:
@@ -279,12 +280,11 @@ def memory(
     outside = [p for p in model.parameters() if id(p) not in covered]
     no_sync = pipelined and sharded  # torch's stages reduce-scatter after the last backward only
     pp_grads = 0
-    if no_sync:
+    if no_sync:  # each unit stays unsharded after its backward: all of them by the last one
         pp_grads = 4 * (
             sum(_unit_numel(u, dims.ep, trained=True) for u in units)
             + sum(math.prod(p.shape) for p in outside if p.requires_grad)
         )
-    if no_sync:  # each unit stays unsharded after its backward: all of them by the last one
         unit = sum(_unit_bytes(u, dims.ep, b) for u in units)
     else:
         unit = max(
