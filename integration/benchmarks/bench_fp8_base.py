@@ -61,7 +61,7 @@ def _checkpoints(root: Path) -> tuple[Path, Path]:
 
     from qwen35_trainer import build_model, load_recipe
     from qwen35_trainer.model import export_hf
-    from qwen35_trainer.model.export import FP8Export
+    from qwen35_trainer.model.weights.export import FP8Export
 
     model = build_model(load_recipe("tiny", [*ONE_PROCESS, *SIZE]).model)
     export_hf(model, root / "bf16", per_expert=True, dtype=torch.bfloat16)

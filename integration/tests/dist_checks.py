@@ -312,10 +312,10 @@ def load_peak_rss(overrides, weights: str, window: int) -> dict[str, int]:
 
     import torch
 
-    import qwen35_trainer.model.adapter as adapter
+    import qwen35_trainer.model.weights.adapter as adapter
     from qwen35_trainer import build_training_model, load_hf_weights
     from qwen35_trainer.model.build import materialize_buffers
-    from qwen35_trainer.model.shards import local_index
+    from qwen35_trainer.model.weights.shards import local_index
     from qwen35_trainer.plan.memory import parameter_bytes
 
     adapter.MAPPED_WINDOW_BYTES = window

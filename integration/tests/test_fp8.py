@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from qwen35_trainer import build_model
 from qwen35_trainer.cli import main
 from qwen35_trainer.data import global_batch
-from qwen35_trainer.model.lora import is_adapter
+from qwen35_trainer.model.lora.adapters import is_adapter
 
 BLOCK = (12, 12)
 LORA = "model.lora={rank: 4, alpha: 8, expert_rank: 8}"

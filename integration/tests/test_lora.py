@@ -20,7 +20,7 @@ from qwen35_trainer import build_model, load_recipe, train
 from qwen35_trainer.cli import main
 from qwen35_trainer.data import global_batch
 from qwen35_trainer.data.demo import make_demo
-from qwen35_trainer.model.lora import is_adapter
+from qwen35_trainer.model.lora.adapters import is_adapter
 
 LORA = "model.lora={rank: 4, alpha: 12, expert_rank: 8}"
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from qwen35_trainer import build_model, train
 from qwen35_trainer.cli import main
 from qwen35_trainer.data import global_batch
-from qwen35_trainer.model.lora import is_adapter
+from qwen35_trainer.model.lora.adapters import is_adapter
 
 TRAINED = "[mlp.gate, lm_head, mtp, norm]"
 LORA = f"model.lora={{rank: 4, alpha: 64, expert_rank: 8, train_modules: {TRAINED}}}"
@@ -171,7 +171,7 @@ def test_init_from_a_peft_adapter_gives_peft_s_logits(base, tmp_path):
 def test_init_from_our_own_exports_round_trips(base, tmp_path):
     """A run's ``peft`` and ``per_expert`` exports, started from, give the run's logits (the
     folded scale converted back to the recipe's)."""
-    from qwen35_trainer.model.lora_export import write_adapter
+    from qwen35_trainer.model.lora.peft_export import write_adapter
 
     sets = (LORA, "train.steps=2")
     recipe = _recipe(base, *sets)

@@ -16,7 +16,7 @@ from qwen35_trainer import cli, load_recipe, validate_layout
 from qwen35_trainer.cli import main
 from qwen35_trainer.model import build_config
 from qwen35_trainer.model.flops import layer_costs
-from qwen35_trainer.model.pipeline import stage_layers
+from qwen35_trainer.model.pipeline.build import stage_layers
 from qwen35_trainer.parallel.pipeline_split import balanced_split, stages_of_rank
 from qwen35_trainer.plan import plan
 from qwen35_trainer.plan.stages import bubble_fraction, stage_view

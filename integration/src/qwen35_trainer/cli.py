@@ -183,7 +183,7 @@ def _export_main(argv: list[str]) -> int:
     (:mod:`qwen35_trainer.train.export`); exit 0, or 2 with the reason (bad recipe, no
     checkpoint there, a damaged checkpoint, one of another model, a folder that is not
     empty)."""
-    from qwen35_trainer.model.lora_export import LORA_FORMATS
+    from qwen35_trainer.model.lora.peft_export import LORA_FORMATS
     from qwen35_trainer.train.export import DTYPES, EXPERT_LAYOUTS
 
     parser = argparse.ArgumentParser(

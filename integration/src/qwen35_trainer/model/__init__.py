@@ -13,11 +13,11 @@ from qwen35_trainer.model.build import (
     moe_blocks,
 )
 from qwen35_trainer.model.config import build_config, check_shapes
-from qwen35_trainer.model.export import export_hf
-from qwen35_trainer.model.load import load_hf_weights
 from qwen35_trainer.model.objective import LossShares, TrainingObjective
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.model.training import build_training_model
+from qwen35_trainer.model.weights.export import export_hf
+from qwen35_trainer.model.weights.load import load_hf_weights
 
 __all__ = [
     "LossShares",

@@ -7,8 +7,8 @@ only rewraps meta tensors. :func:`materialize` then allocates every parameter's 
 the device (``to_empty``) and fills it, one parameter at a time:
 
 - from ``model.weights`` (a transformers checkpoint directory): each rank reads the slices its
-  shards need (:mod:`qwen35_trainer.model.load`);
-- otherwise from the name-seeded initialisation (:mod:`qwen35_trainer.model.init`), so every
+  shards need (:mod:`qwen35_trainer.model.weights.load`);
+- otherwise from the name-seeded initialisation (:mod:`qwen35_trainer.model.weights.init`), so every
   layout starts from the one-process weights exactly.
 
 The only buffers (the rotary embeddings' inverse frequencies, non-persistent) are recomputed by
@@ -31,16 +31,16 @@ from torch.distributed.tensor import DTensor
 
 from moe_parallel import MoE, swap_moe_blocks
 from qwen35_trainer.model.config import build_config
-from qwen35_trainer.model.fp8 import hold_base_in_fp8
-from qwen35_trainer.model.fp8_load import fp8_role, quantized_reader
-from qwen35_trainer.model.init import init_rows, init_rule
-from qwen35_trainer.model.load import plan_hf_load
-from qwen35_trainer.model.lora import add_lora
-from qwen35_trainer.model.lora_import import adapter_readers
+from qwen35_trainer.model.fp8.hold import hold_base_in_fp8
+from qwen35_trainer.model.fp8.load import fp8_role, quantized_reader
+from qwen35_trainer.model.lora.adapters import add_lora
+from qwen35_trainer.model.lora.peft_import import adapter_readers
 from qwen35_trainer.model.mtp import add_mtp
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.model.params import named_parameters
-from qwen35_trainer.model.shards import local_index, read_local
+from qwen35_trainer.model.weights.init import init_rows, init_rule
+from qwen35_trainer.model.weights.load import plan_hf_load
+from qwen35_trainer.model.weights.shards import local_index, read_local
 from qwen35_trainer.recipe import ModelRecipe
 
 __all__ = [
@@ -66,9 +66,9 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
 def build_meta_model(model_recipe: ModelRecipe, *, packing: bool = False) -> nn.Module:
     """The recipe's model (its multi-token-prediction head ``mtp`` added when
     ``model.mtp_layers`` asks for one, :mod:`qwen35_trainer.model.mtp`; MoE swapped; with
-    ``model.lora`` its adapters added and the rest frozen, :mod:`qwen35_trainer.model.lora`;
+    ``model.lora`` its adapters added and the rest frozen, :mod:`qwen35_trainer.model.lora.adapters`;
     with ``model.fp8_base`` its frozen projections and experts held in FP8,
-    :mod:`qwen35_trainer.model.fp8`; with
+    :mod:`qwen35_trainer.model.fp8.hold`; with
     ``packing`` adapted to packed rows, :func:`qwen35_trainer.model.packed.enable_packing`) on
     the meta device: shapes only, no storage."""
     from transformers import Qwen3_5MoeForConditionalGeneration
@@ -98,7 +98,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 def init_value(seed: int, std: float, name: str, module: nn.Module, attr: str, param):
     """The name-seeded initial value (fp32) of the local shard of ``module``'s parameter
     ``attr`` (full name ``name``); of a weight held in FP8, the quantized initial value of the
-    weight (its bytes, or its scales: :mod:`qwen35_trainer.model.fp8_load`)."""
+    weight (its bytes, or its scales: :mod:`qwen35_trainer.model.fp8.load`)."""
     role = fp8_role(module, attr)
     if role is not None:
         weight = name.removesuffix(attr) + role.weight
@@ -140,7 +140,7 @@ def module_filler(
     returning, ``model``'s buffers are materialised on ``device`` (:func:`materialize_buffers`)
     (``block``: an FP8 checkpoint's ``weight_block_size``; ``lora``: the recipe's
     ``model.lora``, whose ``init_from`` adapter folder the adapters are read from,
-    :mod:`qwen35_trainer.model.lora_import`)
+    :mod:`qwen35_trainer.model.lora.peft_import`)
     and the whole checkpoint is planned and checked, every rank agreeing on ``device``;
     ``model``'s parameters may still be on the meta device. Modules without parameters of
     their own are left as they are."""
@@ -212,7 +212,7 @@ def materialize(
 ) -> nn.Module:
     """Allocate the meta ``model``'s local shards on ``device`` and fill them (module
     docstring; ``init_missing_mtp``: a checkpoint without ``mtp.*`` leaves the MTP head to the
-    seeded initialisation, :func:`qwen35_trainer.model.load.load_hf_weights`); in place,
+    seeded initialisation, :func:`qwen35_trainer.model.weights.load.load_hf_weights`); in place,
     returns ``model``."""
     model.to_empty(device=device)
     fill = module_filler(

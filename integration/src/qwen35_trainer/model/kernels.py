@@ -9,7 +9,7 @@ the layout is validated). The packages decide the same way when the layers run
 (:func:`cp_varlen_attn.resolve_attention_backend` / :func:`cp_varlen_attn.resolve_gdn_backend` are
 the rules :func:`cp_varlen_attn.varlen_attention` / :func:`cp_varlen_attn.gated_delta_rule`
 apply, moe-parallel's ``te`` test is TransformerEngine importing on CUDA), so the report names what
-runs. A frozen base held in FP8 (:mod:`qwen35_trainer.model.fp8`) adds its line: its blocks are
+runs. A frozen base held in FP8 (:mod:`qwen35_trainer.model.fp8.hold`) adds its line: its blocks are
 dequantized per use and multiplied in the compute dtype; there is no FP8 GEMM path yet, and the
 report says so on every device. On CUDA, ``auto`` falling back to a torch path is a WARNING naming the package to install
 (:attr:`Kernels.fallbacks`): Qwen3.5 trains 2-4x slower without the fast kernels, and nothing

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from qwen35_trainer.model import build
-from qwen35_trainer.model.lora import store_frozen
+from qwen35_trainer.model.lora.adapters import store_frozen
 from qwen35_trainer.model.objective import TrainingObjective
-from qwen35_trainer.model.pipeline import plan_pipeline
+from qwen35_trainer.model.pipeline.build import plan_pipeline
 from qwen35_trainer.parallel import Layout, ParallelDims, parallelize
 
 __all__ = ["build_training_model"]

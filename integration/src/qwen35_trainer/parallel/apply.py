@@ -23,7 +23,7 @@ the same program as every layout) and applies, in place:
 - activation checkpointing of decoder and vision blocks;
 - PP (``pp > 1``): the model keeps this rank's pipeline stages only (before anything above),
   and each stage is sharded by FSDP2 below as its own root and run by torch's schedule
-  (:mod:`qwen35_trainer.model.pipeline`);
+  (:mod:`qwen35_trainer.model.pipeline.build`);
 - FSDP2 (:func:`fsdp_compat.shard_model`): dense parameters sharded over ``dp_shard × cp`` and
   replicated over ``dp_replicate`` (HSDP), experts over the expert mesh's ``efsdp`` (and
   ``dp_replicate``), the units being the decoder layers and vision blocks, named explicitly;
@@ -167,7 +167,7 @@ def parallelize(
     parameters (:func:`qwen35_trainer.model.build.module_filler`), which megatron-fsdp
     (``parallel.fsdp_backend: megatron``) calls as it materialises and shards the model.
     ``pipeline(pp_rank)``: under ``parallel.pp > 1``, keeps the stages of that pipeline rank
-    and returns their builder (:func:`qwen35_trainer.model.pipeline.plan_pipeline`)."""
+    and returns their builder (:func:`qwen35_trainer.model.pipeline.build.plan_pipeline`)."""
     init_distributed()  # one process without a group: its one-rank group (see .dist)
     dims = dims or validate_layout(recipe, world())
     meshes = dims.build(device.type)
@@ -254,7 +254,7 @@ def apply_parallelism(
     place, on ``meshes``; ``fsdp=False`` leaves the parameters unsharded (one LoRA process; only
     the modules it trains in full are wrapped, each its own unit, when they must be cast for
     a bf16 compute). ``pipeline(shard, pp_mesh, device)``: builds this rank's pipeline stages
-    (:func:`qwen35_trainer.model.pipeline.build_pipeline`), each sharded by ``shard`` (FSDP2,
+    (:func:`qwen35_trainer.model.pipeline.build.build_pipeline`), each sharded by ``shard`` (FSDP2,
     its own root) and run by torch's schedule: ``objective.pipeline``.
 
     ``param_dtype``: FSDP2's compute dtype (bf16) for what trains, with fp32 sharded (master)

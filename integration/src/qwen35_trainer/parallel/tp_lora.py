@@ -44,7 +44,7 @@ _STYLES = {
 
 
 def _adapted(module: nn.Module) -> bool:
-    """Whether ``module`` is a :class:`~qwen35_trainer.model.lora.LoRALinear` (by its
+    """Whether ``module`` is a :class:`~qwen35_trainer.model.lora.adapters.LoRALinear` (by its
     adapters: the parallel stage does not import the model stage)."""
     return getattr(module, "lora_A", None) is not None
 

@@ -32,7 +32,7 @@ def saved_activation_bytes(recipe: Any, device: torch.device | None = None) -> d
     """``{"rank", "saved"}``: the bytes this rank's forward saves for the backward."""
     from qwen35_trainer.data.feed import micro_batches
     from qwen35_trainer.model import build_training_model
-    from qwen35_trainer.model.stages import StepInputs
+    from qwen35_trainer.model.pipeline.stages import StepInputs
     from qwen35_trainer.train.step import count_targets
 
     device = device or torch.device("cpu")

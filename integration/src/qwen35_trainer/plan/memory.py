@@ -3,7 +3,7 @@
 Exact (counted from this rank's DTensor shards, equal to a real run's tensors):
 
 - ``parameters``: every local shard in its storage dtype (fp32 master weights; a LoRA run's
-  frozen base in bf16 under bf16 compute, :func:`qwen35_trainer.model.lora.store_frozen`);
+  frozen base in bf16 under bf16 compute, :func:`qwen35_trainer.model.lora.adapters.store_frozen`);
 - ``gradients``: the shards that train (FSDP2 keeps sharded fp32 gradients; with LoRA the
   adapters only);
 - ``optimizer``: AdamW / TE fused Adam: two fp32 moments per local element that trains, plus
@@ -21,7 +21,7 @@ with a real run's saved tensors):
   block's ``P·Hv·b`` (``P`` = this rank's patches under frame sharding), and the tensors
   outside the blocks; a test compares it with a real forward's saved tensors (one process and
   CP 2 at world 4). Under pipeline parallelism the first stage checkpoints the tower WHOLE
-  (:mod:`qwen35_trainer.model.stages`): each micro-batch in flight keeps its pixels only, and
+  (:mod:`qwen35_trainer.model.pipeline.stages`): each micro-batch in flight keeps its pixels only, and
   the blocks' inputs are held once, while one micro-batch's backward recomputes the tower
   (counted in ``recompute``; a test compares stage 0's forward with a real one at PP 2).
   Without checkpointing: every block's working set below (an estimate, not validated: the
@@ -39,7 +39,7 @@ with a real run's saved tensors):
   unsharded for the whole step with its fp32 gradients (of what trains). One LoRA process
   is not sharded (:func:`qwen35_trainer.parallel.parallelize`): only the modules it trains in
   full are, under bf16, each cast to a bf16 copy for the compute (``lm_head`` by the loss);
-- ``dequantized``: a base held in FP8 (:mod:`qwen35_trainer.model.fp8`) is dequantized one
+- ``dequantized``: a base held in FP8 (:mod:`qwen35_trainer.model.fp8.hold`) is dequantized one
   weight at a time as it runs: the largest such weight on this rank (a layer's local experts'
   ``gate_up_proj``) in ``b``, plus the dequantization's two fp32 temporaries of at most
   :data:`moe_parallel.fp8.CHUNK_ELEMENTS` elements;
@@ -71,9 +71,9 @@ import math
 import torch
 from torch import nn
 
-from qwen35_trainer.model.lora import is_adapter
+from qwen35_trainer.model.lora.adapters import is_adapter
 from qwen35_trainer.model.params import named_parameters
-from qwen35_trainer.model.shards import local_index
+from qwen35_trainer.model.weights.shards import local_index
 from qwen35_trainer.plan.stages import StageView
 
 __all__ = ["ROUTING_SKEW", "Memory", "Shape", "memory", "parameter_bytes"]
@@ -243,7 +243,7 @@ def memory(
     head's and the loss's on the last) times those micro-batches."""
     text, vision = model.config.text_config, model.config.vision_config
     # under PP with checkpointing the first stage checkpoints the tower whole
-    # (qwen35_trainer.model.stages): its blocks' inputs are kept for one micro-batch, in the
+    # (qwen35_trainer.model.pipeline.stages): its blocks' inputs are kept for one micro-batch, in the
     # backward, not for each in flight
     pipelined = stage is not None
     whole_tower = pipelined and checkpointing and stage.first

@@ -45,7 +45,7 @@ class StageView:
 
 def stage_view(pipeline: Any, layer_types: list[str], microbatches: int, pp: int) -> StageView:
     """The view of the rank whose built pipeline is ``pipeline``
-    (:class:`qwen35_trainer.model.pipeline.Pipeline`)."""
+    (:class:`qwen35_trainer.model.pipeline.build.Pipeline`)."""
     plan = pipeline.plan
     count, v, rank = len(plan.stage_layers), len(plan.mine), plan.mine[0]
     held = tuple(layer_types[i] for s in plan.mine for i in plan.stage_layers[s])

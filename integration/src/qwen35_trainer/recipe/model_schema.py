@@ -32,7 +32,7 @@ LORA_TARGETS = (
 
 @dataclasses.dataclass(frozen=True)
 class LoRARecipe:
-    """Low-rank adapters instead of full fine-tuning (:mod:`qwen35_trainer.model.lora`): every
+    """Low-rank adapters instead of full fine-tuning (:mod:`qwen35_trainer.model.lora.adapters`): every
     weight stays frozen and each target projection ``W`` computes ``W x + s · B A drop(x)``
     with ``A`` [rank, in], ``B`` [out, rank] (zero at the start: the model starts as the base),
     ``s = alpha / rank`` (``rslora``: ``alpha / sqrt(rank)``) and ``dropout`` on the adapter's
@@ -50,7 +50,7 @@ class LoRARecipe:
     folder (PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``, this trainer's
     export or PEFT's own, relative to the recipe file) the adapters — and the modules it saved
     in full — start from instead of ``B = 0``; its ranks and targets must be the recipe's (its
-    scale is converted: :mod:`qwen35_trainer.model.lora_import`)."""
+    scale is converted: :mod:`qwen35_trainer.model.lora.peft_import`)."""
 
     rank: int = 16
     alpha: float = 32.0
@@ -164,7 +164,7 @@ class ModelRecipe:
     ``lora``: train low-rank adapters on a frozen model instead of every weight
     (:class:`LoRARecipe`); ``None``: full fine-tuning.
 
-    The frozen base in block-scaled FP8 (:mod:`qwen35_trainer.model.fp8`): ``quantization`` is
+    The frozen base in block-scaled FP8 (:mod:`qwen35_trainer.model.fp8.hold`): ``quantization`` is
     the checkpoint's ``quantization_config`` (read from ``model.path``'s ``config.json``; stated
     with ``model.weights``): Qwen's FP8 releases, ``quant_method: fp8``, ``fmt: e4m3``,
     ``activation_scheme: dynamic`` and ``weight_block_size [rows, columns]``. With ``lora``,

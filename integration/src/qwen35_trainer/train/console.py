@@ -11,7 +11,7 @@ import torch
 
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.kernels import Kernels
-from qwen35_trainer.model.pipeline import stage_layers
+from qwen35_trainer.model.pipeline.build import stage_layers
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.train.metrics import StepLog
 

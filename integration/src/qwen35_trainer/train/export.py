@@ -12,7 +12,7 @@ notes say so.
 
 A LoRA run (``model.lora``) exports its adapters by default (``lora``: ``peft``, PEFT's
 ``target_parameters`` layout for the experts; ``per_expert``, 2-D adapters per expert;
-:mod:`qwen35_trainer.model.lora_export`) with ``base_model_name_or_path`` naming the base
+:mod:`qwen35_trainer.model.lora.peft_export`) with ``base_model_name_or_path`` naming the base
 checkpoint, or with ``merged`` the merged weights as a whole checkpoint folder.
 
 A folder that is not empty is refused (it may hold another checkpoint's weights, which
@@ -43,10 +43,10 @@ from torch import nn
 from fsdp_compat import full_tensor
 from qwen35_trainer.data.demo import resolve
 from qwen35_trainer.model import build_training_model, export_hf
-from qwen35_trainer.model.adapter import CheckpointFiles, expert_layout
-from qwen35_trainer.model.export import FP8Export
-from qwen35_trainer.model.lora_export import LORA_FORMATS, saved_modules, write_adapter
-from qwen35_trainer.model.stored import SCALE_SUFFIX
+from qwen35_trainer.model.lora.peft_export import LORA_FORMATS, saved_modules, write_adapter
+from qwen35_trainer.model.weights.adapter import CheckpointFiles, expert_layout
+from qwen35_trainer.model.weights.export import FP8Export
+from qwen35_trainer.model.weights.stored import SCALE_SUFFIX
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.recipe import ParallelRecipe, Recipe
 from qwen35_trainer.train.integrity import MANIFEST

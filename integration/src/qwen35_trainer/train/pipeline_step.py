@@ -5,7 +5,7 @@ Why it is the one-process step: the valid labels (and each MTP depth's targets) 
 micro-batch are counted before the schedule runs, over the loss group (every stage rank holds
 the same micro-batches, so each stage counts alike), and each micro-batch's loss on the last
 stage is its share of the step's loss with those global counts
-(:mod:`qwen35_trainer.model.stages`); torch backpropagates the shares unscaled. The gradient
+(:mod:`qwen35_trainer.model.pipeline.stages`); torch backpropagates the shares unscaled. The gradient
 norm sums the stages' squared norms over the pipeline group (each parameter lives on one
 stage; within a stage each mesh counts its shards once), so clipping scales every stage by the
 same factor. The logged totals — cross-entropy, aux, MTP, FLOPs — are summed over the loss
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compat import clip_grad_norm
-from qwen35_trainer.model.stages import StepInputs
+from qwen35_trainer.model.pipeline.stages import StepInputs
 from qwen35_trainer.parallel import Layout
 from qwen35_trainer.parallel.sequence_parallel import sum_sequence_parallel_grads
 from qwen35_trainer.train.step import (

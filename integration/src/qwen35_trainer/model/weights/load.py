@@ -5,7 +5,7 @@ adapter.StateDictAdapter`: a reader per runtime tensor, every missing or mismatc
 every unexpected on-disk one); the ranks agree on whether any of them found a problem (one
 all-reduce on the group's device) and then all raise the same ``ValueError`` listing them, so
 a bad checkpoint never leaves a rank waiting in a collective. Then each parameter's local
-shard is read as the dim-0 span of its shard (:func:`~qwen35_trainer.model.shards.read_local`)
+shard is read as the dim-0 span of its shard (:func:`~qwen35_trainer.model.weights.shards.read_local`)
 and copied in: host memory holds this rank's shards plus one tensor's slice.
 
 The multi-token-prediction head (``mtp.*``, :mod:`qwen35_trainer.model.mtp`) loads strictly
@@ -24,13 +24,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from qwen35_trainer.model.adapter import CheckpointFiles, StateDictAdapter
-from qwen35_trainer.model.fp8_load import fp8_reader, fp8_role
-from qwen35_trainer.model.lora import is_adapter
+from qwen35_trainer.model.fp8.load import fp8_reader, fp8_role
+from qwen35_trainer.model.lora.adapters import is_adapter
 from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import named_parameters
-from qwen35_trainer.model.shards import local_index, read_local
-from qwen35_trainer.model.stored import Stored
+from qwen35_trainer.model.weights.adapter import CheckpointFiles, StateDictAdapter
+from qwen35_trainer.model.weights.shards import local_index, read_local
+from qwen35_trainer.model.weights.stored import Stored
 from qwen35_trainer.parallel.dist import any_rank
 
 __all__ = ["load_hf_weights", "plan_hf_load"]
@@ -75,7 +75,7 @@ def plan_hf_load(
     still on the meta device) from the checkpoint directory ``path`` (``block``: an FP8
     checkpoint's ``weight_block_size``), checked from metadata only — shapes and dtypes — and
     the names left to the caller (:func:`load_hf_weights`). A parameter of a weight the model
-    holds in FP8 reads its bytes or scales (:mod:`qwen35_trainer.model.fp8_load`); any other
+    holds in FP8 reads its bytes or scales (:mod:`qwen35_trainer.model.fp8.load`); any other
     reads the weight's values (an FP8 tensor dequantized). The ranks agree on whether any found
     a problem (one all-reduce on ``device``) and all raise the same ``ValueError``."""
     params = list(named_parameters(model))

@@ -1,11 +1,11 @@
-"""Where the values of a base held in FP8 come from (:mod:`qwen35_trainer.model.fp8`).
+"""Where the values of a base held in FP8 come from (:mod:`qwen35_trainer.model.fp8.hold`).
 
 Each FP8 projection has two runtime parameters, its FP8 bytes and its scales
 (:func:`fp8_role`). Both are read per shard, dim-0 rows ``lo:hi`` at a time, like every other
 parameter:
 
-- from an FP8 checkpoint, as stored (:meth:`~qwen35_trainer.model.stored.Stored.fp8`,
-  :meth:`~qwen35_trainer.model.stored.Stored.scales`);
+- from an FP8 checkpoint, as stored (:meth:`~qwen35_trainer.model.weights.stored.Stored.fp8`,
+  :meth:`~qwen35_trainer.model.weights.stored.Stored.scales`);
 - from full-precision values — a bf16 checkpoint, or the name-seeded initialisation — quantized
   on load (:func:`quantized_reader`, :func:`moe_parallel.quantize`: per block ``amax / 448``).
   A 2-D weight's rows ``lo:hi`` are quantized from the whole block rows around them, and its

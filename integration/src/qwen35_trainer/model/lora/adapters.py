@@ -10,7 +10,7 @@ drop(x)``. The routed experts get adapters applied inside the grouped expert com
 (:func:`moe_parallel.add_expert_lora`: ``experts.lora_{gate_up,down}_{A,B}``, stacked by
 expert; never an ``[E, out, in]`` delta). ``B`` starts at zero, so the model starts as its base bit for bit;
 ``A`` is Kaiming-uniform. Both are name-seeded like every parameter
-(:mod:`qwen35_trainer.model.init`), so every layout starts from the same adapters, and they are
+(:mod:`qwen35_trainer.model.weights.init`), so every layout starts from the same adapters, and they are
 never read from the base checkpoint. Every other parameter is frozen (``requires_grad`` off):
 no gradient, no optimizer state, and checkpoints hold the adapters only.
 
@@ -28,7 +28,7 @@ from torch import nn
 
 from moe_parallel import LoRASpec, add_expert_lora
 from moe_parallel.moe import Experts
-from qwen35_trainer.model.fp8 import base_linear, dequantized
+from qwen35_trainer.model.fp8.hold import base_linear, dequantized
 
 __all__ = ["LoRALinear", "add_lora", "is_adapter", "lora_spec", "merged", "store_frozen"]
 
@@ -47,7 +47,7 @@ def is_adapter(name: str) -> bool:
 class LoRALinear(nn.Linear):
     """``nn.Linear`` with an adapter: ``lora_A`` [r, in], ``lora_B`` [out, r], ``lora_scale``
     s and ``lora_dropout`` (the probability on the adapter's input, in training). The base
-    weight may be FP8 (:func:`qwen35_trainer.model.fp8.base_linear`); the adapters run in the
+    weight may be FP8 (:func:`qwen35_trainer.model.fp8.hold.base_linear`); the adapters run in the
     input's dtype (fp32 masters under bf16 compute are cast here, as a mixed-precision
     all-gather would have)."""
 
@@ -149,7 +149,7 @@ def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
     """Keep every frozen parameter in ``dtype`` (bf16 under bf16 mixed precision: it has no
     master copy to keep, no gradient and no optimizer state, and the compute casts it to bf16
     anyway, so the step is the same bit for bit); in place, before the model is sharded. A
-    base held in FP8 (:mod:`qwen35_trainer.model.fp8`) keeps its FP8 bytes and fp32 scales."""
+    base held in FP8 (:mod:`qwen35_trainer.model.fp8.hold`) keeps its FP8 bytes and fp32 scales."""
     for name, param in model.named_parameters():
         if param.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"):
             continue

@@ -19,7 +19,7 @@ head's always per expert: the public checkpoints' layout, which the servers' MTP
 An FP8 checkpoint (Qwen's releases) stores its converted weights as float8_e4m3fn with a
 ``…weight_scale_inv`` beside each (the per-expert ones too); the map is the same, the scales
 travel with their weights, and every on-disk tensor's dtype is checked before anything is read
-(:mod:`qwen35_trainer.model.stored`).
+(:mod:`qwen35_trainer.model.weights.stored`).
 
 Multi-token-prediction tensors (``mtp.*``) load like the rest when the model has its MTP head
 (:mod:`qwen35_trainer.model.mtp`); a model without one (``model.mtp_layers: 0``) reports and
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from qwen35_trainer.model.stored import Stored
+from qwen35_trainer.model.weights.stored import Stored
 
 __all__ = ["CheckpointFiles", "StateDictAdapter", "expert_layout", "on_disk"]
 
@@ -139,7 +139,7 @@ class CheckpointFiles:
 
 
 class StateDictAdapter:
-    """Runtime name → its tensors on disk (:class:`~qwen35_trainer.model.stored.Stored`),
+    """Runtime name → its tensors on disk (:class:`~qwen35_trainer.model.weights.stored.Stored`),
     checked against the runtime shapes and for their dtypes; ``block``: the FP8 checkpoint's
     ``weight_block_size`` (``None``: not an FP8 checkpoint). ``skipped``: prefixes of on-disk
     tensors the model has no place for, left unread (and reported) instead of refused."""

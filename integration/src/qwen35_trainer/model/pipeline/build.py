@@ -1,5 +1,5 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: this rank's stages
-(:class:`~qwen35_trainer.model.stages.StageModule`), each wrapped by FSDP2 over its stage's
+(:class:`~qwen35_trainer.model.pipeline.stages.StageModule`), each wrapped by FSDP2 over its stage's
 ``dp_shard × cp`` ranks as its own root, in torch's ``PipelineStage`` and one of torch's
 schedules (no home-made scheduler).
 
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from qwen35_trainer.model.flops import layer_costs
-from qwen35_trainer.model.stages import StageModule, StepInputs, keep_stages
+from qwen35_trainer.model.pipeline.stages import StageModule, StepInputs, keep_stages
 from qwen35_trainer.parallel.pipeline_split import (
     PP_SCHEDULES,
     SPLIT_BACKWARD,
@@ -105,7 +105,7 @@ def stage_layers(recipe: Any, config: Any) -> list[range]:
 
 def plan_pipeline(recipe: Any, objective: nn.Module, pp_rank: int) -> Callable[..., Pipeline]:
     """The model keeps only pipeline rank ``pp_rank``'s stages' modules
-    (:func:`~qwen35_trainer.model.stages.keep_stages`); returns ``build(shard, pp_mesh,
+    (:func:`~qwen35_trainer.model.pipeline.stages.keep_stages`); returns ``build(shard, pp_mesh,
     device)``, :func:`build_pipeline` of its plan (called by :func:`qwen35_trainer.parallel.
     apply_parallelism` once the other parallelisms are applied)."""
     p, model = recipe.parallel, objective.model

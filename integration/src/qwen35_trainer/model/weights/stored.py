@@ -2,7 +2,7 @@
 
 A runtime tensor comes from ONE on-disk tensor of its shape, or (the routed experts) from
 per-expert tensors stacked along dim 0, each expert's the concatenation of its parts' rows
-(``gate_proj`` then ``up_proj``; see :mod:`qwen35_trainer.model.adapter`). On disk each is
+(``gate_proj`` then ``up_proj``; see :mod:`qwen35_trainer.model.weights.adapter`). On disk each is
 either a float tensor or, in an FP8 checkpoint (Qwen's releases), float8_e4m3fn with its
 ``…_scale_inv`` block scales beside it (:mod:`moe_parallel.fp8`: ``W = fp8 · scale``
 blockwise, blocks of the checkpoint's ``weight_block_size``, partial at the edges).

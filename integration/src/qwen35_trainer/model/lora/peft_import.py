@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from moe_parallel.moe import Experts
-from qwen35_trainer.model.lora import LoRALinear, lora_spec
-from qwen35_trainer.model.lora_export import PREFIX
+from qwen35_trainer.model.lora.adapters import LoRALinear, lora_spec
+from qwen35_trainer.model.lora.peft_export import PREFIX
 from qwen35_trainer.model.params import canonical_name
 
 __all__ = ["adapter_readers"]

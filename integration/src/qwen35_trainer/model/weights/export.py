@@ -13,10 +13,10 @@ which servers read). The tensors keep their runtime names; the routed experts ar
 stacked (the runtime layout) or, with ``per_expert``, one tensor per expert and projection, as
 transformers' ``save_pretrained`` and most published checkpoints hold them — both load in
 ``from_pretrained``. The multi-token-prediction head's experts are always per expert, as the
-public checkpoints hold them (:func:`qwen35_trainer.model.adapter.on_disk`; transformers
+public checkpoints hold them (:func:`qwen35_trainer.model.weights.adapter.on_disk`; transformers
 ignores ``mtp.*``, the inference servers' MTP loaders read it), and ``config.json`` states the
 head's depth (``mtp_num_hidden_layers``). ``dtype`` casts every tensor as it is written. A
-LoRA model (:mod:`qwen35_trainer.model.lora`) is written merged: each adapted weight as ``W +
+LoRA model (:mod:`qwen35_trainer.model.lora.adapters`) is written merged: each adapted weight as ``W +
 s · B A`` (per expert for the routed experts), the adapters themselves not at all — the
 folder is the trained function as a plain checkpoint. A base held in FP8 is dequantized first
 (``W`` above), and its scales are not written. With ``fp8`` (:class:`FP8Export`) the weights
@@ -39,11 +39,11 @@ from torch import nn
 
 from fsdp_compat import full_tensor
 from moe_parallel import quantize
-from qwen35_trainer.model.adapter import on_disk
-from qwen35_trainer.model.fp8 import converted_form, dequantized
-from qwen35_trainer.model.lora import is_adapter, merged
+from qwen35_trainer.model.fp8.hold import converted_form, dequantized
+from qwen35_trainer.model.lora.adapters import is_adapter, merged
 from qwen35_trainer.model.params import named_parameters
-from qwen35_trainer.model.stored import SCALE_SUFFIX
+from qwen35_trainer.model.weights.adapter import on_disk
+from qwen35_trainer.model.weights.stored import SCALE_SUFFIX
 
 __all__ = ["FP8Export", "export_hf", "export_plan"]
 
@@ -80,7 +80,7 @@ def _file_name(number: int, total: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class FP8Export:
-    """Write the converted weights (:func:`qwen35_trainer.model.fp8.converted_form`) in
+    """Write the converted weights (:func:`qwen35_trainer.model.fp8.hold.converted_form`) in
     block-scaled FP8 as Qwen's FP8 releases hold them: ``block``, scales in ``scale_dtype``,
     per expert, and ``quantization_config`` in ``config.json``."""
 

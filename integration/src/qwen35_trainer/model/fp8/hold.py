@@ -13,7 +13,7 @@ projection's ``weight`` becomes a float8_e4m3fn parameter with ``weight_scale_in
 ``[ceil(out / bo), ceil(in / bi)]``) beside it and ``fp8_form`` set; a projection without an
 adapter becomes an :class:`FP8Linear`. The routed experts go through
 :func:`moe_parallel.quantize_experts`. Every one of them is frozen. The values are filled per
-shard afterwards (:mod:`qwen35_trainer.model.fp8_load`: the checkpoint's FP8 bytes and scales
+shard afterwards (:mod:`qwen35_trainer.model.fp8.load`: the checkpoint's FP8 bytes and scales
 as stored, or a bf16 checkpoint quantized on load).
 
 Compute: :func:`base_linear` is the one linear of a (possibly FP8) projection;

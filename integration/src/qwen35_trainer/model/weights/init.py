@@ -6,7 +6,7 @@ _init_weights``; :func:`init_rule` states them, a test compares them with transf
 convolution, embedding, router and expert weights ``normal(0, initializer_range)``, biases 0,
 the zero-centred ``Qwen3_5MoeRMSNorm`` weights 0, the other norms 1 / 0, the Gated DeltaNet's
 ``dt_bias`` 1 and ``A_log = log(uniform(0.01, 16))``, the embedding's padding row 0. LoRA
-adapters (:mod:`qwen35_trainer.model.lora`): ``A`` Kaiming-uniform (``uniform(±1/sqrt(in))``,
+adapters (:mod:`qwen35_trainer.model.lora.adapters`): ``A`` Kaiming-uniform (``uniform(±1/sqrt(in))``,
 a Linear's default), ``B`` 0.
 
 Why a shard equals the one-process tensor: the full tensor is cut along dim 0 into blocks of
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from moe_parallel.moe import Experts
-from qwen35_trainer.model.lora import LoRALinear
+from qwen35_trainer.model.lora.adapters import LoRALinear
 
 __all__ = ["BLOCK_ELEMENTS", "init_rows", "init_rule"]
 

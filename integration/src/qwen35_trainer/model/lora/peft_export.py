@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from moe_parallel.moe import Experts
-from qwen35_trainer.model.lora import LoRALinear
+from qwen35_trainer.model.lora.adapters import LoRALinear
 from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import canonical_name
 
