@@ -312,20 +312,18 @@ def load_peak_rss(overrides, weights: str, window: int) -> dict[str, int]:
 
     import torch
 
-    import qwen35_trainer.model.weights.adapter as adapter
     from qwen35_trainer import build_training_model, load_hf_weights
     from qwen35_trainer.model.build import materialize_buffers
     from qwen35_trainer.model.weights.shards import local_index
     from qwen35_trainer.plan.memory import parameter_bytes
 
-    adapter.MAPPED_WINDOW_BYTES = window
     r = load_recipe(TINY, overrides)
     model = build_training_model(r, torch.device("cpu"), materialize=False)[0].model
     model.to_empty(device="cpu")
     materialize_buffers(model, "cpu")
     largest = max(math.prod(len(i) for i in local_index(p)) * 4 for p in model.parameters())
     with host_memory() as used:
-        load_hf_weights(model, weights)
+        load_hf_weights(model, weights, window_bytes=window)
     return {
         "rank": dist.get_rank(),
         "increase": used.peak,

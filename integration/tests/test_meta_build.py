@@ -123,7 +123,7 @@ def test_a_layout_started_from_a_checkpoint_trains_as_one_process(launch, layout
 
 def test_the_checkpoints_hold_both_expert_layouts(expected):
     """Guards the fixture: one directory per expert layout, so both readers are exercised."""
-    from qwen35_trainer.model.weights.adapter import CheckpointFiles
+    from qwen35_trainer.model.weights.files import CheckpointFiles
 
     per_expert, stacked = (CheckpointFiles(p).where for p in expected if p is not None)
     assert any(k.endswith("experts.0.gate_proj.weight") for k in per_expert)

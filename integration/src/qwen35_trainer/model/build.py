@@ -4,12 +4,12 @@
 :class:`moe_parallel.MoE` blocks (:mod:`qwen35_trainer.model.config`) without allocating a
 byte of weights, so a 122B model is built in seconds and the parallel stage (TP, EP, AC, FSDP)
 only rewraps meta tensors. :func:`materialize` then allocates every parameter's LOCAL shard on
-the device (``to_empty``) and fills it, one parameter at a time:
-
-- from ``model.weights`` (a transformers checkpoint directory): each rank reads the slices its
-  shards need (:mod:`qwen35_trainer.model.weights.load`);
-- otherwise from the name-seeded initialisation (:mod:`qwen35_trainer.model.weights.init`), so every
-  layout starts from the one-process weights exactly.
+the device (``to_empty``) and fills it, one parameter at a time, from its weight sources
+(:func:`weight_sources`, :mod:`qwen35_trainer.model.weights.sources`): the name-seeded
+initialisation (:mod:`qwen35_trainer.model.weights.init`), so every layout starts from the
+one-process weights exactly; over it ``model.weights``, a transformers checkpoint directory of
+which each rank reads the slices its shards need (:mod:`qwen35_trainer.model.weights.load`);
+over both, LoRA's ``init_from`` adapter folder (:mod:`qwen35_trainer.model.lora.peft_import`).
 
 The only buffers (the rotary embeddings' inverse frequencies, non-persistent) are recomputed by
 transformers' own rule (:func:`materialize_buffers`). One filler, :func:`module_filler`,
@@ -21,7 +21,6 @@ build + materialise on the host.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -32,15 +31,15 @@ from torch.distributed.tensor import DTensor
 from moe_parallel import MoE, swap_moe_blocks
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.fp8.hold import hold_base_in_fp8
-from qwen35_trainer.model.fp8.load import fp8_role, quantized_reader
 from qwen35_trainer.model.lora.adapters import add_lora
-from qwen35_trainer.model.lora.peft_import import adapter_readers
+from qwen35_trainer.model.lora.peft_import import AdapterSource
 from qwen35_trainer.model.mtp import add_mtp
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.model.params import named_parameters
-from qwen35_trainer.model.weights.init import init_rows, init_rule
-from qwen35_trainer.model.weights.load import plan_hf_load
+from qwen35_trainer.model.weights.init import SeededInit
+from qwen35_trainer.model.weights.load import CheckpointSource
 from qwen35_trainer.model.weights.shards import local_index, read_local
+from qwen35_trainer.model.weights.sources import WeightSource, plan_fill
 from qwen35_trainer.recipe import ModelRecipe
 
 __all__ = [
@@ -48,14 +47,12 @@ __all__ = [
     "build_model",
     "checkpoint_block",
     "init_parameters",
-    "init_value",
     "materialize",
     "materialize_buffers",
     "module_filler",
     "moe_blocks",
+    "weight_sources",
 ]
-
-logger = logging.getLogger("qwen35_trainer")
 
 
 def moe_blocks(model: nn.Module) -> list[MoE]:
@@ -95,71 +92,54 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def init_value(seed: int, std: float, name: str, module: nn.Module, attr: str, param):
-    """The name-seeded initial value (fp32) of the local shard of ``module``'s parameter
-    ``attr`` (full name ``name``); of a weight held in FP8, the quantized initial value of the
-    weight (its bytes, or its scales: :mod:`qwen35_trainer.model.fp8.load`)."""
-    role = fp8_role(module, attr)
-    if role is not None:
-        weight = name.removesuffix(attr) + role.weight
-        rule = init_rule(module, role.weight, std)
-        values = lambda lo, hi: init_rows(rule, seed, weight, role.shape, lo, hi)  # noqa: E731
-        return read_local(quantized_reader(values, role), local_index(param))
-    rule = init_rule(module, attr, std)
-    padding = getattr(module, "padding_idx", None) if attr == "weight" else None
-    return read_local(
-        lambda lo, hi: init_rows(rule, seed, name, param.shape, lo, hi, padding_row=padding),
-        local_index(param),
-    )
-
-
-def init_parameters(model: nn.Module, seed: int, names: set[str] | None = None) -> None:
-    """Fill every (materialised) parameter's local shard — or only those of ``names`` — with
-    its name-seeded initial value."""
-    std = model.config.text_config.initializer_range
-    with torch.no_grad():
-        for name, module, attr, param in named_parameters(model):
-            if names is None or name in names:
-                _local(param).copy_(init_value(seed, std, name, module, attr, param))
-
-
-def module_filler(
+def weight_sources(
     model: nn.Module,
-    device: torch.device | str,
     *,
     seed: int = 0,
     weights: str | None = None,
     init_missing_mtp: bool = False,
     block: tuple[int, int] | None = None,
     lora: Any = None,
-) -> Callable[..., None]:
-    """``fill(module, keep=None)``: fills the local shards of ``module``'s own (materialised)
-    parameters as :func:`materialize` does — read from ``weights``, else (and for an MTP head
-    the checkpoint lacks, ``init_missing_mtp``) name-seeded — and hands each parameter with its
-    value before the cast to the parameter's dtype to ``keep(param, value)``. Before
-    returning, ``model``'s buffers are materialised on ``device`` (:func:`materialize_buffers`)
-    (``block``: an FP8 checkpoint's ``weight_block_size``; ``lora``: the recipe's
-    ``model.lora``, whose ``init_from`` adapter folder the adapters are read from,
-    :mod:`qwen35_trainer.model.lora.peft_import`)
-    and the whole checkpoint is planned and checked, every rank agreeing on ``device``;
-    ``model``'s parameters may still be on the meta device. Modules without parameters of
-    their own are left as they are."""
-    materialize_buffers(model, device)
-    std = model.config.text_config.initializer_range
-    readers: dict = {}
+    window_bytes: int | None = None,
+) -> list[WeightSource]:
+    """Where ``model``'s parameters start from, in order (:mod:`qwen35_trainer.model.weights.
+    sources`): the name-seeded initialisation of ``seed``, then the checkpoint directory
+    ``weights`` (``block``: its FP8 ``weight_block_size``; ``init_missing_mtp``: a checkpoint
+    without ``mtp.*`` leaves the head to the seeded values), then ``lora.init_from``'s adapter
+    folder (the recipe's ``model.lora``)."""
+    sources: list[WeightSource] = [SeededInit(seed, model.config.text_config.initializer_range)]
     if weights is not None:
-        readers, unfilled = plan_hf_load(
-            model, weights, torch.device(device), init_missing_mtp=init_missing_mtp, block=block
-        )
-        if unfilled:
-            logger.warning(
-                "checkpoint %s has no multi-token-prediction tensors (mtp.*): the MTP head's "
-                "%d tensors start from the seeded initialisation (model.init_missing_mtp: true)",
-                weights,
-                len(unfilled),
+        sources.append(
+            CheckpointSource(
+                weights, block=block, init_missing_mtp=init_missing_mtp, window_bytes=window_bytes
             )
-    if lora is not None and lora.init_from:  # the adapters start from an adapter folder
-        readers |= adapter_readers(lora.init_from, model, lora)
+        )
+    if lora is not None and lora.init_from:
+        sources.append(AdapterSource(lora.init_from, lora, getattr(model, "lora_trained", ())))
+    return sources
+
+
+def init_parameters(model: nn.Module, seed: int, names: set[str] | None = None) -> None:
+    """Fill every (materialised) parameter's local shard — or only those of ``names`` — with
+    its name-seeded initial value."""
+    init = SeededInit(seed, model.config.text_config.initializer_range)
+    with torch.no_grad():
+        for name, module, attr, param in named_parameters(model):
+            if names is None or name in names:
+                value = read_local(init.reader(name, module, attr, param), local_index(param))
+                _local(param).copy_(value)
+
+
+def module_filler(model: nn.Module, device: torch.device | str, **sources: Any):
+    """``fill(module, keep=None)``: fills the local shards of ``module``'s own (materialised)
+    parameters as :func:`materialize` does — from :func:`weight_sources` of ``sources`` — and
+    hands each parameter with its value before the cast to the parameter's dtype to
+    ``keep(param, value)``. Before returning, ``model``'s buffers are materialised on
+    ``device`` (:func:`materialize_buffers`) and every source is planned and checked against
+    the whole model, every rank agreeing on ``device``; ``model``'s parameters may still be on
+    the meta device. Modules without parameters of their own are left as they are."""
+    materialize_buffers(model, device)
+    readers = plan_fill(model, weight_sources(model, **sources), device)
     owned: dict[nn.Module, list[tuple[str, str]]] = {}
     for name, module, attr, _ in named_parameters(model):
         owned.setdefault(module, []).append((name, attr))
@@ -170,10 +150,7 @@ def module_filler(
         with torch.no_grad():
             for name, attr in owned.get(module, ()):
                 param = module._parameters[attr]
-                if name in readers:
-                    value = read_local(readers[name], local_index(param))
-                else:
-                    value = init_value(seed, std, name, module, attr, param)
+                value = read_local(readers[name], local_index(param))
                 _local(param).copy_(value)
                 if keep is not None:
                     keep(param, value)
@@ -200,30 +177,12 @@ def materialize_buffers(model: nn.Module, device: torch.device | str) -> None:
             model._init_weights(module)  # transformers' rule: inv_freq from the rope config
 
 
-def materialize(
-    model: nn.Module,
-    device: torch.device | str,
-    *,
-    seed: int = 0,
-    weights: str | None = None,
-    init_missing_mtp: bool = False,
-    block: tuple[int, int] | None = None,
-    lora: Any = None,
-) -> nn.Module:
-    """Allocate the meta ``model``'s local shards on ``device`` and fill them (module
-    docstring; ``init_missing_mtp``: a checkpoint without ``mtp.*`` leaves the MTP head to the
-    seeded initialisation, :func:`qwen35_trainer.model.weights.load.load_hf_weights`); in place,
-    returns ``model``."""
+def materialize(model: nn.Module, device: torch.device | str, **sources: Any) -> nn.Module:
+    """Allocate the meta ``model``'s local shards on ``device`` and fill them from
+    :func:`weight_sources` of ``sources`` (``seed``, ``weights``, ``init_missing_mtp``,
+    ``block``, ``lora``; module docstring); in place, returns ``model``."""
     model.to_empty(device=device)
-    fill = module_filler(
-        model,
-        device,
-        seed=seed,
-        weights=weights,
-        init_missing_mtp=init_missing_mtp,
-        block=block,
-        lora=lora,
-    )
+    fill = module_filler(model, device, **sources)
     for module in model.modules():
         fill(module)
     return model

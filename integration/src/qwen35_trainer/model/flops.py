@@ -19,6 +19,14 @@ per weight it multiplies:
 
 The embedding lookup and norms are not counted. ``peak_flops`` is the accelerator's dense bf16
 peak (a table of datasheet numbers, or ``QWEN35_PEAK_FLOPS``); without it there is no MFU.
+
+:func:`forward_flops` is the same forward split by kind (:data:`KINDS`: each mixer's
+projections and its attention / recurrence core, the shared expert with the router, the routed
+experts, the MTP head's ``fc``, the loss's ``lm_head``, the vision tower's projections and its
+per-frame attention) and restricted to a part of the model (a pipeline stage's layers, with or
+without the tower, the head and the MTP head): the planner's step-time model
+(:mod:`qwen35_trainer.plan.work`) prices each kind on its own. :func:`training_flops` is three
+times its sum over the whole model, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PEAK_BF16_FLOPS", "peak_flops", "training_flops"]
+__all__ = ["KINDS", "PEAK_BF16_FLOPS", "forward_flops", "peak_flops", "training_flops"]
 
 # Dense bf16 tensor-core peaks (datasheets, SXM parts), matched against the device name.
 PEAK_BF16_FLOPS = {
@@ -42,6 +50,20 @@ PEAK_BF16_FLOPS = {
     "A800": 312e12,
     "L40S": 362e12,
 }
+
+# the kinds of :func:`forward_flops`, in the order the planner reports them
+KINDS = (
+    "attention",  # full-attention projections: q with its gate, k, v, o
+    "attention_core",  # scores and values over the causal pairs of each document
+    "gdn",  # Gated DeltaNet projections (qkv, z, b, a, out) and the depthwise conv
+    "gdn_core",  # the gated delta rule's state update, delta and read-out
+    "shared_expert",  # the router, the shared SwiGLU expert and its gate
+    "experts",  # the k routed SwiGLU experts of each token
+    "mtp",  # the MTP head's fc over [embedding, hidden]
+    "loss",  # the lm_head (the model's, and once more per MTP depth)
+    "vision",  # the tower's patch embedding, blocks and merger
+    "vision_core",  # the tower's attention within each frame
+)
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -69,6 +91,7 @@ def _text_weights_per_token(text) -> dict[str, int]:
         + h
     )
     return {
+        "attention_mixer": h * 2 * q + 2 * h * kv + q * h,
         "full_attention": h * 2 * q + 2 * h * kv + q * h + moe,
         "linear_attention": h * conv
         + h * v
@@ -80,34 +103,61 @@ def _text_weights_per_token(text) -> dict[str, int]:
     }
 
 
-def training_flops(
-    config, doc_lengths: Sequence[int], image_grids: Sequence[Sequence[int]]
-) -> float:
-    """Model FLOPs of one forward + backward over documents of ``doc_lengths`` tokens and
-    images / videos of patch grids ``[t, h, w]`` (module docstring)."""
+def forward_flops(
+    config: Any,
+    doc_lengths: Sequence[int],
+    image_grids: Sequence[Sequence[int]],
+    *,
+    layer_types: Sequence[str] | None = None,
+    mtp: int | None = None,
+    head: bool = True,
+) -> dict[str, int]:
+    """Forward FLOPs of each kind (:data:`KINDS`) over documents of ``doc_lengths`` tokens and
+    images / videos of patch grids ``[t, h, w]`` (module docstring), through the decoder layers
+    ``layer_types`` (default: all), ``mtp`` MTP depths (default: the config's) and the
+    ``lm_head`` when ``head``; pass no grids for a part without the tower."""
     text, vision = config.text_config, config.vision_config
-    tokens = sum(doc_lengths)
-    weights = _text_weights_per_token(text)
-    forward = 2 * tokens * (sum(weights[t] for t in text.layer_types) + weights["head"])
+    layer_types = text.layer_types if layer_types is None else layer_types
+    depth = getattr(text, "mtp_num_hidden_layers", 0) if mtp is None else mtp
+    tokens, h = sum(doc_lengths), text.hidden_size
+    w = _text_weights_per_token(text)
     pairs = sum(n * (n + 1) // 2 for n in doc_lengths)
-    full = sum(t == "full_attention" for t in text.layer_types)
-    forward += full * 4 * text.num_attention_heads * text.head_dim * pairs
+    linear = sum(t == "linear_attention" for t in layer_types)
+    full = len(layer_types) - linear + depth  # each MTP depth is one more full-attention layer
+    moe_layers = len(layer_types) + depth
+    routed = text.num_experts_per_tok * 3 * h * text.moe_intermediate_size
+    moe = w["full_attention"] - w["attention_mixer"]
     state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
-    forward += (len(text.layer_types) - full) * tokens * 3 * 2 * state
-    mtp_layer = 2 * text.hidden_size**2 + weights["full_attention"] + weights["head"]
-    attention_pairs = 4 * text.num_attention_heads * text.head_dim * pairs
-    forward += getattr(text, "mtp_num_hidden_layers", 0) * (
-        2 * tokens * mtp_layer + attention_pairs
-    )
+    counts = {
+        "attention": 2 * tokens * w["attention_mixer"] * full,
+        "attention_core": full * 4 * text.num_attention_heads * text.head_dim * pairs,
+        "gdn": 2 * tokens * (w["linear_attention"] - moe) * linear,
+        "gdn_core": linear * tokens * 3 * 2 * state,
+        "shared_expert": 2 * tokens * (moe - routed) * moe_layers,
+        "experts": 2 * tokens * routed * moe_layers,
+        "mtp": 2 * tokens * 2 * h * h * depth,
+        "loss": 2 * tokens * w["head"] * (int(head) + depth),
+        "vision": 0,
+        "vision_core": 0,
+    }
     vh, merge = vision.hidden_size, vision.spatial_merge_size**2
     pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     block = 4 * vh * vh + 2 * vh * vision.intermediate_size
     merger = (vh * merge) ** 2 + vh * merge * vision.out_hidden_size
     for t, hh, ww in image_grids:
         patches = t * hh * ww
-        forward += 2 * patches * (pixels * vh + vision.depth * block + merger // merge)
-        forward += vision.depth * t * 4 * vh * (hh * ww) ** 2
-    return 3.0 * forward
+        counts["vision"] += 2 * patches * (pixels * vh + vision.depth * block + merger // merge)
+        counts["vision_core"] += vision.depth * t * 4 * vh * (hh * ww) ** 2
+    return counts
+
+
+def training_flops(
+    config, doc_lengths: Sequence[int], image_grids: Sequence[Sequence[int]]
+) -> float:
+    """Model FLOPs of one forward + backward over documents of ``doc_lengths`` tokens and
+    images / videos of patch grids ``[t, h, w]`` (module docstring): three forwards of the whole
+    model (:func:`forward_flops`)."""
+    return 3.0 * sum(forward_flops(config, doc_lengths, image_grids).values())
 
 
 def layer_costs(config: Any, row: int | None) -> tuple[list[float], float, float]:

@@ -75,6 +75,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 import async_tp_linear
 from async_tp_linear import enable_async_tp, swap_tp_linears
@@ -263,10 +264,12 @@ def apply_parallelism(
     dims, model = meshes.dims, objective.model
     # the modules a LoRA run trains in full (model.lora.train_modules), before wrappers rename;
     # not lm_head, whose weight the loss reads outside its forward (the objective casts it)
+    # under PP this rank's stages' only: another stage's module is absent or holds nothing here
+    modules = dict(model.named_modules())
     trained = [
-        model.get_submodule(name)
+        modules[name]
         for name in getattr(model, "lora_trained", ())
-        if name != "lm_head"
+        if name != "lm_head" and next(modules.get(name, nn.Module()).parameters(), None) is not None
     ]
     sp = sequence_parallel and dims.tp > 1
     if dims.tp > 1:

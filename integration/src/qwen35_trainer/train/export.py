@@ -44,8 +44,9 @@ from fsdp_compat import full_tensor
 from qwen35_trainer.data.demo import resolve
 from qwen35_trainer.model import build_training_model, export_hf
 from qwen35_trainer.model.lora.peft_export import LORA_FORMATS, saved_modules, write_adapter
-from qwen35_trainer.model.weights.adapter import CheckpointFiles, expert_layout
+from qwen35_trainer.model.weights.adapter import expert_layout
 from qwen35_trainer.model.weights.export import FP8Export
+from qwen35_trainer.model.weights.files import CheckpointFiles
 from qwen35_trainer.model.weights.stored import SCALE_SUFFIX
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.recipe import ParallelRecipe, Recipe

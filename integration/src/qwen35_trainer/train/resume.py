@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fsdp_compat import dcp_ready
 from qwen35_trainer.data.feed import Feed
-from qwen35_trainer.model.pipeline.stages import Elsewhere
+from qwen35_trainer.model.whole import Elsewhere
 from qwen35_trainer.parallel.dist import all_ranks, rank, world
 from qwen35_trainer.train.integrity import DAMAGED, Verdict, verify
 from qwen35_trainer.train.safe_load import (

@@ -24,9 +24,9 @@ DoRA or biased adapter.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,11 +35,12 @@ from torch import nn
 from moe_parallel.moe import Experts
 from qwen35_trainer.model.lora.adapters import LoRALinear, lora_spec
 from qwen35_trainer.model.lora.peft_export import PREFIX
-from qwen35_trainer.model.params import canonical_name
+from qwen35_trainer.model.weights.sources import RowReader, listed
+from qwen35_trainer.model.whole import WholeParameter
 
-__all__ = ["adapter_readers"]
+__all__ = ["AdapterSource"]
 
-RowReader = Callable[[int, int], torch.Tensor]
+logger = logging.getLogger("qwen35_trainer")
 
 
 def _pattern(patterns: dict, name: str):
@@ -63,6 +64,11 @@ class _Adapter:
     def __init__(self, folder: Path) -> None:
         from safetensors.torch import load_file
 
+        if not folder.is_dir():
+            raise ValueError(
+                f"model.lora.init_from: {folder} does not exist (a PEFT adapter "
+                "folder: adapter_config.json and adapter_model.safetensors)"
+            )
         files = [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -72,6 +78,7 @@ class _Adapter:
         self.tensors = load_file(str(files[1]))
         self.used: set[str] = set()
         self.problems: list[str] = []
+        self.from_base: list[str] = []  # modules trained in full the folder did not save
 
     def take(self, key: str) -> torch.Tensor | None:
         if key not in self.tensors:
@@ -155,8 +162,9 @@ def _experts(adapter: _Adapter, name: str, module: Experts):
     return out
 
 
-def _saved(adapter: _Adapter, model: nn.Module, lora) -> dict[str, torch.Tensor]:
-    """The modules the adapter saved in full, for the modules the recipe trains in full."""
+def _saved(adapter: _Adapter, whole: list[WholeParameter], lora, trained) -> dict:
+    """The modules the adapter saved in full, for the modules the recipe trains in full
+    (``trained``: their names, PEFT's rule applied to the recipe's ``train_modules``)."""
     saved = adapter.config.get("modules_to_save") or []
     extra = sorted(set(saved) - set(lora.train_modules))
     if extra:
@@ -165,21 +173,73 @@ def _saved(adapter: _Adapter, model: nn.Module, lora) -> dict[str, torch.Tensor]
             f"model.lora.train_modules {list(lora.train_modules)}"
         )
     out = {}
-    for module in getattr(model, "lora_trained", ()):
-        for param, _ in model.get_submodule(module).named_parameters():
-            key = f"{PREFIX}{module}.{canonical_name(param)}"
-            if key in adapter.tensors:
-                adapter.used.add(key)
-                out[f"{module}.{canonical_name(param)}"] = adapter.tensors[key].float()
+    for p in whole:
+        module = next((m for m in trained if p.name.startswith(f"{m}.")), None)
+        key = f"{PREFIX}{p.name}"
+        if module is not None and key in adapter.tensors:
+            adapter.used.add(key)
+            out[p.name] = adapter.tensors[key].float()
+    adapter.from_base = sorted({m for m in trained if not any(k.startswith(f"{m}.") for k in out)})
     return out
 
 
-def adapter_readers(folder: str | Path, model: nn.Module, lora) -> dict[str, RowReader]:
-    """A row reader per adapter (and module trained in full that the folder saved) of
-    ``model``, from the adapter folder (module docstring); ``ValueError`` listing every
-    mismatch."""
-    adapter = _Adapter(Path(folder))
-    config = adapter.config
+class AdapterSource:
+    """The adapters (and the modules it saved in full) of the PEFT adapter folder ``folder``
+    as a weight source (module docstring), for the recipe's ``model.lora`` ``lora`` and the
+    names of the modules it trains in full, ``trained`` (``model.lora_trained``)."""
+
+    def __init__(self, folder: str | Path, lora, trained: tuple[str, ...] = ()) -> None:
+        self.folder, self.lora, self.trained = Path(folder), lora, tuple(trained)
+        self._unreadable = False
+
+    def plan(self, whole: list[WholeParameter], problems: list[str]) -> dict[str, RowReader]:
+        try:
+            adapter = _Adapter(self.folder)
+            _check_kind(adapter.config, self.folder)
+        except ValueError as err:
+            self._unreadable = True
+            problems.append(str(err))
+            return {}
+        s = lora_spec(self.lora).scale
+        modules: dict[str, nn.Module] = {}
+        for p in whole:
+            modules.setdefault(p.name.removesuffix(f".{p.attr}"), p.module)
+        values: dict[str, torch.Tensor] = {}
+        for name, module in modules.items():
+            if isinstance(module, LoRALinear):
+                values |= _dense(adapter, name, module, s)
+            elif isinstance(module, Experts) and module.lora_spec is not None:
+                values |= _experts(adapter, name, module)
+        values |= _saved(adapter, whole, self.lora, self.trained)
+        unread = sorted(set(adapter.tensors) - adapter.used)
+        if unread:
+            adapter.problems.append(
+                f"{len(unread)} tensor(s) the recipe has no place for, e.g. {unread[0]} (the "
+                "recipe's model.lora.targets / train_modules do not adapt that module)"
+            )
+        problems += adapter.problems
+        if not problems:
+            _report(adapter, self.lora, s, len(values), self.trained)
+        here = {p.name for p in whole if p.here}
+        return {
+            name: (lambda lo, hi, t=value: t[lo:hi])
+            for name, value in values.items()
+            if name in here
+        }
+
+    def refusal(self, problems: list[str]) -> str:
+        if self._unreadable:
+            return problems[0]
+        lora = self.lora
+        return (
+            f"model.lora.init_from {self.folder} does not fit the recipe's model.lora "
+            f"(rank {lora.rank}, expert_rank {lora.experts_rank}, targets "
+            f"{list(lora.targets)}): {listed(problems, 8)}"
+        )
+
+
+def _check_kind(config: dict, folder: Path) -> None:
+    """``ValueError`` unless ``config`` is a plain LoRA adapter listing its modules."""
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
         raise ValueError(f"model.lora.init_from: {folder} is not a plain LoRA adapter")
     if isinstance(config.get("target_modules"), str):
@@ -187,27 +247,31 @@ def adapter_readers(folder: str | Path, model: nn.Module, lora) -> dict[str, Row
             f"model.lora.init_from: {folder}'s target_modules is a pattern "
             f"({config['target_modules']!r}); the tensors are read by name, list the modules"
         )
-    s = lora_spec(lora).scale
-    values: dict[str, torch.Tensor] = {}
-    for path, module in model.named_modules():
-        name = canonical_name(path)
-        if isinstance(module, LoRALinear):
-            values |= _dense(adapter, name, module, s)
-        elif isinstance(module, Experts) and module.lora_spec is not None:
-            values |= _experts(adapter, name, module)
-    values |= _saved(adapter, model, lora)
-    unread = sorted(set(adapter.tensors) - adapter.used)
-    if unread:
-        adapter.problems.append(
-            f"{len(unread)} tensor(s) the recipe has no place for, e.g. {unread[0]} (the "
-            "recipe's model.lora.targets / train_modules do not adapt that module)"
-        )
-    if adapter.problems:
-        shown = "; ".join(adapter.problems[:8])
-        more = f" ... and {len(adapter.problems) - 8} more" if len(adapter.problems) > 8 else ""
-        raise ValueError(
-            f"model.lora.init_from {folder} does not fit the recipe's model.lora "
-            f"(rank {lora.rank}, expert_rank {lora.experts_rank}, targets "
-            f"{list(lora.targets)}): {shown}{more}"
-        )
-    return {name: (lambda lo, hi, t=value: t[lo:hi]) for name, value in values.items()}
+
+
+def _report(adapter: _Adapter, lora, s: float, tensors: int, trained) -> None:
+    """Log what was loaded: the file, its rank, alpha and scale against the recipe's, and the
+    modules trained in full it saved (or that start from the base)."""
+    config = adapter.config
+    rank, s_file = _scale(config, "")
+    logger.info(
+        "model.lora.init_from %s: %d tensors; the file's r=%s, lora_alpha=%s (scale %.4g%s), "
+        "read under the recipe's scale %.4g (rank %d, alpha %s); modules trained in full "
+        "loaded: %s%s",
+        adapter.folder / "adapter_model.safetensors",
+        tensors,
+        rank,
+        config.get("lora_alpha"),
+        s_file,
+        ", rsLoRA" if config.get("use_rslora") else "",
+        s,
+        lora.rank,
+        lora.alpha,
+        sorted(set(trained) - set(adapter.from_base)) or "none",
+        (
+            f"; {adapter.from_base} start from the base checkpoint (the adapter saved none of "
+            "them: its modules_to_save)"
+            if adapter.from_base
+            else ""
+        ),
+    )

@@ -118,7 +118,7 @@ def plan_pipeline(recipe: Any, objective: nn.Module, pp_rank: int) -> Callable[.
         for n, g in trains.items()
         if n.startswith(("model.visual.", "model.language_model.embed"))
     )
-    keep_stages(model, layers, mine)
+    keep_stages(model, layers, mine, p.pp)
     data, per_micro = recipe.data, recipe.data.pack_length
     if data.dataset:  # a dataset micro-batch packs its rows as one (data/feed.py)
         groups = p.dp_replicate * p.dp

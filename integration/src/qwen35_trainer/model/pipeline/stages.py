@@ -3,7 +3,7 @@ embedding and the vision tower, on the last the final norm, ``lm_head``, the MTP
 loss (:mod:`qwen35_trainer.parallel.pipeline_split` says which layers).
 
 The model keeps its whole module tree on every rank; what another stage holds is replaced by a
-parameterless :class:`Elsewhere` (:func:`keep_stages`), so this rank allocates, trains and
+parameterless :class:`~qwen35_trainer.model.whole.Elsewhere` (:func:`keep_stages`), so this rank allocates, trains and
 checkpoints its own parameters only, under their transformers names: a checkpoint written at
 one ``pp`` is read at any other by name.
 
@@ -54,47 +54,34 @@ from qwen35_trainer.model.build import moe_blocks
 from qwen35_trainer.model.mtp import mtp_shares
 from qwen35_trainer.model.objective import head_weights, valued_as_summed
 from qwen35_trainer.model.packed import dummy_vision, image_features
+from qwen35_trainer.model.whole import Elsewhere
 
-__all__ = ["Elsewhere", "StageModule", "StepInputs", "keep_stages"]
-
-
-class Elsewhere(nn.Module):
-    """Stands where a module another pipeline stage holds would be: no parameters, and it
-    refuses to run."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.held_name = name
-
-    def forward(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(f"{self.held_name} is held by another pipeline stage")
+__all__ = ["StageModule", "StepInputs", "keep_stages"]
 
 
-def keep_stages(model: nn.Module, stage_layers: list[range], mine: list[int]) -> None:
-    """Replace, in place, every module of ``model`` that none of the stages ``mine`` holds by
-    :class:`Elsewhere` (module docstring)."""
+def keep_stages(model: nn.Module, stage_layers: list[range], mine: list[int], pp: int) -> None:
+    """Replace, in place, every module of ``model`` (on the meta device) that none of the stages
+    ``mine`` holds by an :class:`~qwen35_trainer.model.whole.Elsewhere` naming the pipeline rank
+    (of ``pp``) that does (module docstring)."""
     text = model.model.language_model
     held = {i for s in mine for i in stage_layers[s]}
+    owner = {i: s % pp for s, layers in enumerate(stage_layers) for i in layers}
+    first, last = 0, (len(stage_layers) - 1) % pp
+
+    def drop(parent: nn.Module, attr: str, name: str, pp_rank: int) -> None:
+        setattr(parent, attr, Elsewhere(name, getattr(parent, attr), pp_rank))
+
     for i in range(len(text.layers)):
         if i not in held:
-            text.layers[i] = Elsewhere(f"model.language_model.layers.{i}")
+            text.layers[i] = Elsewhere(f"model.language_model.layers.{i}", text.layers[i], owner[i])
     if 0 not in mine:
-        text.embed_tokens = Elsewhere("model.language_model.embed_tokens")
-        model.model.visual = Elsewhere("model.visual")
+        drop(text, "embed_tokens", "model.language_model.embed_tokens", first)
+        drop(model.model, "visual", "model.visual", first)
     if len(stage_layers) - 1 not in mine:
-        text.norm = Elsewhere("model.language_model.norm")
-        model.lm_head = Elsewhere("lm_head")
+        drop(text, "norm", "model.language_model.norm", last)
+        drop(model, "lm_head", "lm_head", last)
         if hasattr(model, "mtp"):
-            model.mtp = Elsewhere("mtp")
-    if hasattr(model, "lora_trained"):  # the modules a LoRA run trains in full: this rank's
-        model.lora_trained = tuple(n for n in model.lora_trained if _held(model, n))
-
-
-def _held(model: nn.Module, name: str) -> bool:
-    try:
-        return not isinstance(model.get_submodule(name), Elsewhere)
-    except AttributeError:  # under a module another stage holds
-        return False
+            drop(model, "mtp", "mtp", last)
 
 
 @dataclasses.dataclass

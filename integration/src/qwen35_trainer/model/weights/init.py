@@ -15,6 +15,10 @@ block ``b`` is drawn from its own generator seeded by ``sha256(seed, name, b)``.
 generates only the blocks its shard's dim-0 span touches (:func:`qwen35_trainer.model.shards.
 read_local`), so one expert's rows are drawn without the 255 others, and every layout, the
 single process included, sees the same numbers in the same places.
+
+:class:`SeededInit` is this initialisation as a weight source
+(:mod:`qwen35_trainer.model.weights.sources`): it fills every parameter; a weight held in FP8
+gets the quantized seeded value (its bytes, or its scales: :mod:`qwen35_trainer.model.fp8.load`).
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ import torch
 from torch import nn
 
 from moe_parallel.moe import Experts
+from qwen35_trainer.model.fp8.load import fp8_role, quantized_reader
 from qwen35_trainer.model.lora.adapters import LoRALinear
+from qwen35_trainer.model.weights.sources import RowReader
+from qwen35_trainer.model.whole import WholeParameter
 
-__all__ = ["BLOCK_ELEMENTS", "init_rows", "init_rule"]
+__all__ = ["BLOCK_ELEMENTS", "SeededInit", "init_rows", "init_rule"]
 
 # Elements per independently seeded block of a parameter (16 MiB of fp32).
 BLOCK_ELEMENTS = 1 << 22
@@ -110,3 +117,32 @@ def init_rows(
     if padding_row is not None and lo <= padding_row < hi:
         out[padding_row - lo] = 0.0
     return out
+
+
+class SeededInit:
+    """The name-seeded initialisation of run seed ``seed`` (``std``: the config's
+    ``initializer_range``) as a weight source: a reader for every parameter this rank holds."""
+
+    def __init__(self, seed: int, std: float) -> None:
+        self.seed, self.std = seed, std
+
+    def plan(self, whole: list[WholeParameter], problems: list[str]) -> dict[str, RowReader]:
+        return {p.name: self.reader(p.name, p.module, p.attr, p.param) for p in whole if p.here}
+
+    def refusal(self, problems: list[str]) -> str:
+        return "; ".join(problems)
+
+    def reader(self, name: str, module: nn.Module, attr: str, param) -> RowReader:
+        """Rows of ``module``'s parameter ``attr`` (full name ``name``), fp32; of an FP8 weight's
+        bytes or scales, those of its quantized seeded value."""
+        role = fp8_role(module, attr)
+        if role is not None:
+            weight = name.removesuffix(attr) + role.weight
+            rule = init_rule(module, role.weight, self.std)
+            return quantized_reader(
+                lambda lo, hi: init_rows(rule, self.seed, weight, role.shape, lo, hi), role
+            )
+        rule = init_rule(module, attr, self.std)
+        padding = getattr(module, "padding_idx", None) if attr == "weight" else None
+        shape = param.shape
+        return lambda lo, hi: init_rows(rule, self.seed, name, shape, lo, hi, padding_row=padding)

@@ -1,18 +1,24 @@
-"""Read a transformers checkpoint directory straight into this rank's shards.
+"""A transformers checkpoint directory as a weight source: read straight into this rank's shards.
 
-Every rank first plans the whole load from metadata only (:class:`~qwen35_trainer.model.
-adapter.StateDictAdapter`: a reader per runtime tensor, every missing or mismatched tensor and
-every unexpected on-disk one); the ranks agree on whether any of them found a problem (one
-all-reduce on the group's device) and then all raise the same ``ValueError`` listing them, so
-a bad checkpoint never leaves a rank waiting in a collective. Then each parameter's local
-shard is read as the dim-0 span of its shard (:func:`~qwen35_trainer.model.weights.shards.read_local`)
-and copied in: host memory holds this rank's shards plus one tensor's slice.
+:class:`CheckpointSource` plans the whole load from metadata only (:class:`~qwen35_trainer.
+model.weights.adapter.StateDictAdapter`: the on-disk tensors of each runtime tensor, their shapes
+and dtypes) against the WHOLE model (:mod:`qwen35_trainer.model.weights.sources`): every missing
+or mismatched tensor and every on-disk tensor no part of the model reads is a problem, while a
+tensor another pipeline stage holds is checked like the rest and simply not read here. It
+returns a reader for each parameter this rank holds; the parameter's local shard is then read
+as the dim-0 span of its shard (:func:`~qwen35_trainer.model.weights.shards.read_local`), so
+host memory holds this rank's shards plus one tensor's slice, and no byte of a tensor another
+stage holds is read.
+
+A parameter of a weight the model holds in FP8 reads the checkpoint's FP8 bytes or scales as
+stored, or quantizes its values on load (:mod:`qwen35_trainer.model.fp8.load`); any other reads
+the weight's values (an FP8 tensor dequantized).
 
 The multi-token-prediction head (``mtp.*``, :mod:`qwen35_trainer.model.mtp`) loads strictly
 like every other tensor. A checkpoint with no ``mtp.*`` tensor at all for a model with the head
-is one clear error, unless ``init_missing_mtp``: then the head's parameters are returned
-unfilled (the caller initialises them, and it is logged); a model without the head skips the
-checkpoint's ``mtp.*`` tensors (logged).
+is one clear error, unless ``init_missing_mtp``: then the head is left to the seeded
+initialisation (logged); a model without the head skips the checkpoint's ``mtp.*`` tensors
+(logged).
 """
 
 from __future__ import annotations
@@ -28,14 +34,99 @@ from qwen35_trainer.model.fp8.load import fp8_reader, fp8_role
 from qwen35_trainer.model.lora.adapters import is_adapter
 from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import named_parameters
-from qwen35_trainer.model.weights.adapter import CheckpointFiles, StateDictAdapter
+from qwen35_trainer.model.weights.adapter import StateDictAdapter
+from qwen35_trainer.model.weights.files import CheckpointFiles
 from qwen35_trainer.model.weights.shards import local_index, read_local
+from qwen35_trainer.model.weights.sources import RowReader, listed, plan_fill
 from qwen35_trainer.model.weights.stored import Stored
-from qwen35_trainer.parallel.dist import any_rank
+from qwen35_trainer.model.whole import WholeParameter
 
-__all__ = ["load_hf_weights", "plan_hf_load"]
+__all__ = ["CheckpointSource", "load_hf_weights"]
 
 logger = logging.getLogger("qwen35_trainer")
+
+
+class CheckpointSource:
+    """The weight source of checkpoint directory ``path`` (``block``: an FP8 checkpoint's
+    ``weight_block_size``; ``window_bytes``: :class:`~qwen35_trainer.model.weights.files.
+    CheckpointFiles`'s mapped window). Module docstring."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        block: tuple[int, int] | None = None,
+        init_missing_mtp: bool = False,
+        window_bytes: int | None = None,
+    ) -> None:
+        self.path = path
+        self.block = block
+        self.init_missing_mtp = init_missing_mtp
+        self.window_bytes = window_bytes
+        self.unfilled: list[str] = []  # the MTP head's names left to the seeded values
+        self._unreadable = False
+
+    def plan(self, whole: list[WholeParameter], problems: list[str]) -> dict[str, RowReader]:
+        mtp = [p for p in whole if p.name.startswith(MTP_PREFIX)]
+        try:
+            files = CheckpointFiles(self.path, window_bytes=self.window_bytes)
+        except ValueError as err:
+            self._unreadable = True
+            problems.append(str(err))
+            return {}
+        adapter = StateDictAdapter(files, skipped=() if mtp else (MTP_PREFIX,), block=self.block)
+        mtp_absent = bool(mtp) and not any(k.startswith(MTP_PREFIX) for k in files.where)
+        if mtp_absent and self.init_missing_mtp:
+            self.unfilled = [p.name for p in mtp if p.here]
+            logger.warning(
+                "checkpoint %s has no multi-token-prediction tensors (mtp.*): the MTP head's "
+                "%d tensors start from the seeded initialisation (model.init_missing_mtp: true)",
+                self.path,
+                len(mtp),
+            )
+        elif mtp_absent:
+            problems.append(
+                f"no multi-token-prediction tensors (mtp.*) on disk for the model's "
+                f"{_mtp_depth(whole)}-layer MTP head ({len(mtp)} tensors): set "
+                "model.mtp_layers: 0 to train without it, or model.init_missing_mtp: true to "
+                "start it from the seeded initialisation"
+            )
+        readers = {}
+        stored: dict[str, Stored | None] = {}
+        for p in whole:
+            if (mtp_absent and p.name.startswith(MTP_PREFIX)) or is_adapter(p.name):
+                continue  # LoRA adapters start name-seeded, never from the base checkpoint
+            role = fp8_role(p.module, p.attr)
+            weight = p.name if role is None else p.name.removesuffix(p.attr) + role.weight
+            if weight not in stored:
+                shape = tuple(p.param.shape) if role is None else role.shape
+                stored[weight] = adapter.stored(weight, shape, problems)
+            if stored[weight] is not None and p.here:
+                found = stored[weight]
+                readers[p.name] = found.values if role is None else fp8_reader(found, role)
+        skipped, unexpected = adapter.unused()
+        problems += [f"{key}: on disk, not in the model" for key in unexpected]
+        if skipped and not problems:
+            logger.info(
+                "checkpoint %s: skipped %d multi-token-prediction tensors (mtp.*): the model "
+                "has no MTP head (model.mtp_layers: 0)",
+                self.path,
+                len(skipped),
+            )
+        return readers
+
+    def refusal(self, problems: list[str]) -> str:
+        if self._unreadable:
+            return problems[0]
+        return (
+            f"checkpoint {self.path} does not fit the recipe's model ({len(problems)} "
+            f"tensor(s)): {listed(problems)}"
+        )
+
+
+def _mtp_depth(whole: list[WholeParameter]) -> int:
+    """The MTP head's layer count (``mtp.layers.{i}``)."""
+    return len({p.name.split(".")[2] for p in whole if p.name.startswith(f"{MTP_PREFIX}layers.")})
 
 
 def load_hf_weights(
@@ -44,6 +135,7 @@ def load_hf_weights(
     *,
     init_missing_mtp: bool = False,
     block: tuple[int, int] | None = None,
+    window_bytes: int | None = None,
 ) -> list[str]:
     """Fill every parameter of ``model`` (materialised, sharded or not) from the transformers
     checkpoint directory ``path`` (``block``: an FP8 checkpoint's ``weight_block_size``);
@@ -52,84 +144,13 @@ def load_hf_weights(
     none."""
     params = list(named_parameters(model))
     device = params[0][3].device if params else torch.device("cpu")
-    readers, unfilled = plan_hf_load(
-        model, path, device, init_missing_mtp=init_missing_mtp, block=block
+    source = CheckpointSource(
+        path, block=block, init_missing_mtp=init_missing_mtp, window_bytes=window_bytes
     )
+    readers = plan_fill(model, [source], device)
     with torch.no_grad():
         for name, _, _, param in params:
             if name in readers:
                 local = param.to_local() if isinstance(param, DTensor) else param
                 local.copy_(read_local(readers[name], local_index(param)))
-    return unfilled
-
-
-def plan_hf_load(
-    model: nn.Module,
-    path: str | Path,
-    device: torch.device,
-    *,
-    init_missing_mtp: bool = False,
-    block: tuple[int, int] | None = None,
-) -> tuple[dict, list[str]]:
-    """``(readers, unfilled)``: a reader per parameter name of ``model`` (materialised or
-    still on the meta device) from the checkpoint directory ``path`` (``block``: an FP8
-    checkpoint's ``weight_block_size``), checked from metadata only — shapes and dtypes — and
-    the names left to the caller (:func:`load_hf_weights`). A parameter of a weight the model
-    holds in FP8 reads its bytes or scales (:mod:`qwen35_trainer.model.fp8.load`); any other
-    reads the weight's values (an FP8 tensor dequantized). The ranks agree on whether any found
-    a problem (one all-reduce on ``device``) and all raise the same ``ValueError``."""
-    params = list(named_parameters(model))
-    mtp = [name for name, _, _, _ in params if name.startswith(MTP_PREFIX)]
-    problems: list[str] = []
-    try:
-        adapter = StateDictAdapter(
-            CheckpointFiles(path), skipped=() if mtp else (MTP_PREFIX,), block=block
-        )
-    except ValueError as err:
-        adapter, problems = None, [str(err)]
-    readers = {}
-    unfilled: list[str] = []
-    if adapter is not None:
-        mtp_absent = bool(mtp) and not any(k.startswith(MTP_PREFIX) for k in adapter.files.where)
-        if mtp_absent:
-            if init_missing_mtp:
-                unfilled = mtp
-            else:
-                problems.append(
-                    f"no multi-token-prediction tensors (mtp.*) on disk for the model's "
-                    f"{model.config.text_config.mtp_num_hidden_layers}-layer MTP head ({len(mtp)} "
-                    "tensors): set model.mtp_layers: 0 to train without it, or "
-                    "model.init_missing_mtp: true to start it from the seeded initialisation"
-                )
-        stored: dict[str, Stored | None] = {}
-        for name, module, attr, param in params:
-            if (mtp_absent and name.startswith(MTP_PREFIX)) or is_adapter(name):
-                continue  # LoRA adapters start name-seeded, never from the base checkpoint
-            role = fp8_role(module, attr)
-            weight = name if role is None else name.removesuffix(attr) + role.weight
-            if weight not in stored:
-                shape = tuple(param.shape) if role is None else role.shape
-                stored[weight] = adapter.stored(weight, shape, problems)
-            if stored[weight] is not None:
-                readers[name] = (
-                    stored[weight].values if role is None else fp8_reader(stored[weight], role)
-                )
-        skipped, unexpected = adapter.unused()
-        problems += [f"{key}: on disk, not in the model" for key in unexpected]
-    if any_rank(bool(problems), device):
-        if adapter is None:
-            raise ValueError(problems[0])
-        where = "; ".join(problems[:20]) if problems else "(found by another rank)"
-        more = f" ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise ValueError(
-            f"checkpoint {path} does not fit the recipe's model "
-            f"({len(problems)} tensor(s) on this rank): {where}{more}"
-        )
-    if skipped:
-        logger.info(
-            "checkpoint %s: skipped %d multi-token-prediction tensors (mtp.*): the model has "
-            "no MTP head (model.mtp_layers: 0)",
-            path,
-            len(skipped),
-        )
-    return readers, unfilled
+    return source.unfilled
