@@ -151,7 +151,7 @@ def test_long_piece_uses_query_blocks(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash_backend_matches_torch():
-    pytest.importorskip("flash_attn", reason="needs flash-attn (cp-varlen-attn[gpu])")
+    pytest.importorskip("flash_attn", reason="needs flash-attn (cp-varlen-attn[flash-attn])")
     lengths = [37, 5, 120, 1]
     layout = plan_cp_layout(cu_from_lengths(lengths), 1)
     q, k, v, _ = (x.to("cuda", torch.bfloat16) for x in _inputs(lengths, 4, 2, 64))

@@ -151,7 +151,7 @@ def test_fails_loudly_when_internals_change(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_real_flash_attention_2():
-    pytest.importorskip("flash_attn", reason="needs flash-attn (cp-varlen-attn[gpu])")
+    pytest.importorskip("flash_attn", reason="needs flash-attn (cp-varlen-attn[flash-attn])")
     model = _model().to("cuda", torch.bfloat16)
     reference = torch.cat([model(input_ids=d[None].cuda()).last_hidden_state[0] for d in DOCS])
     preserve_indexed_mask_for_flash_attention()

@@ -12,9 +12,14 @@ aligned causal mask (query ``j`` of the piece sees keys ``< s + j + 1``):
 - ``torch`` backend (CPU or GPU): ``scaled_dot_product_attention`` per piece and per block of
   at most ``QUERY_BLOCK`` queries, with the block's own [block, keys] boolean mask — memory is
   bounded by the block size times the document length, never [S, S];
-- ``flash`` backend (GPU): one ``flash_attn_varlen_func`` call over all pieces (each piece a
-  varlen "sequence" whose keys are its document prefix; flash-attn aligns causal masks
-  bottom-right when there are more keys than queries, which is exactly this mask).
+- ``torch_varlen`` backend (CUDA, bf16/fp16): one call of torch's own ``varlen_attn`` over all
+  pieces (each piece a varlen "sequence" whose keys are its document prefix; the Flash kernels
+  align causal masks bottom-right when there are more keys than queries, which is exactly this
+  mask) — :mod:`cp_varlen_attn.torch_varlen`;
+- ``flash`` backend (CUDA, bf16/fp16): the same call to flash-attn's ``flash_attn_varlen_func``.
+
+``auto`` takes ``flash`` where flash-attn is installed, else ``torch_varlen``, on CUDA tensors in
+bf16/fp16; else ``torch`` (every CPU run, and CUDA in fp32: a per-piece loop, so slow on a GPU).
 
 Nothing is stored in ambient state: the layout and the group are arguments, so activation
 checkpointing's recompute (on the autograd thread) sees exactly what the forward saw. Input
@@ -24,6 +29,7 @@ checks are local once the layout object is validated for the group
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -32,11 +38,17 @@ import torch.nn.functional as F
 
 from cp_varlen_attn.exchange import exchange_rows, plan_exchange
 from cp_varlen_attn.layout import CPLayout
+from cp_varlen_attn.torch_varlen import (
+    HALF_DTYPES,
+    flash_pieces,
+    torch_varlen_available,
+    torch_varlen_pieces,
+)
 from cp_varlen_attn.validation import check_call
 
-__all__ = ["BACKENDS", "varlen_attention"]
+__all__ = ["BACKENDS", "resolve_attention_backend", "varlen_attention"]
 
-BACKENDS = ("auto", "torch", "flash")
+BACKENDS = ("auto", "torch", "torch_varlen", "flash")
 QUERY_BLOCK = 1024
 
 
@@ -81,8 +93,7 @@ def varlen_attention(
     k_RHD = kv_RF[:, : h_kv * d_k].unflatten(1, (h_kv, d_k))
     v_RHD = kv_RF[:, h_kv * d_k :].unflatten(1, (h_kv, v_THD.shape[2]))
     pieces = _piece_keys(layout, rank, row_of.to(q.device), causal)
-    use_flash = backend == "flash" or (backend == "auto" and q.is_cuda and _flash_available())
-    run = _flash_pieces if use_flash else _torch_pieces
+    run = _KERNELS[resolve_attention_backend(backend, q.device.type, q.dtype)]
     out_THD = run(q_THD, k_RHD, v_RHD, pieces, scale, causal)
     out = out_THD.unsqueeze(0)
     return out[0] if squeeze else out
@@ -129,42 +140,50 @@ def _torch_pieces(q_THD, k_RHD, v_RHD, pieces, scale, causal) -> torch.Tensor:
     return torch.cat(outs, 0)
 
 
-def _flash_pieces(q_THD, k_RHD, v_RHD, pieces, scale, causal) -> torch.Tensor:
-    from flash_attn import flash_attn_varlen_func
-
-    key_rows = torch.cat([rows for *_, rows in pieces])
-    q_lens = [n for _, n, _, _ in pieces]
-    k_lens = [rows.numel() for *_, rows in pieces]
-    dev = q_THD.device
-    cu_q = torch.tensor([0, *q_lens], device=dev).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0, *k_lens], device=dev).cumsum(0).to(torch.int32)
-    return flash_attn_varlen_func(
-        q_THD,
-        k_RHD.index_select(0, key_rows),
-        v_RHD.index_select(0, key_rows),
-        cu_q,
-        cu_k,
-        max(q_lens),
-        max(k_lens),
-        softmax_scale=scale,
-        causal=causal,
-    )
+_KERNELS = {"flash": flash_pieces, "torch_varlen": torch_varlen_pieces, "torch": _torch_pieces}
 
 
-def resolve_attention_backend(backend: str, device_type: str) -> str:
-    """The kernel :func:`varlen_attention` runs for ``backend`` on ``device_type`` tensors:
-    ``flash`` (flash-attn installed, CUDA) or ``torch``; ``ValueError`` for a backend that
-    cannot run there (the reason :func:`varlen_attention` would give)."""
+def resolve_attention_backend(
+    backend: str, device_type: str, dtype: torch.dtype | None = None
+) -> str:
+    """The kernel :func:`varlen_attention` runs for ``backend`` on ``device_type`` tensors of
+    ``dtype`` (``None``: any): ``flash`` (flash-attn), ``torch_varlen`` (torch's
+    ``varlen_attn``) or ``torch`` (SDPA per document piece). ``auto`` takes the first of
+    ``flash``, ``torch_varlen`` that can run, else ``torch``. ``ValueError`` for a named backend
+    that cannot run there (the reason :func:`varlen_attention` would give)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    flash = device_type == "cuda" and _flash_available()
-    if backend == "flash" and not flash:
-        raise ValueError(
-            "backend='flash' needs the flash-attn package and CUDA tensors (install cp-varlen-attn[gpu])"
+    if backend == "auto":
+        fast = [k for k in ("flash", "torch_varlen") if _cannot_run(k, device_type, dtype) is None]
+        return fast[0] if fast else "torch"
+    reason = _cannot_run(backend, device_type, dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    return backend
+
+
+def _cannot_run(kernel: str, device_type: str, dtype: torch.dtype | None) -> str | None:
+    if kernel == "torch":
+        return None
+    if kernel == "flash" and not (device_type == "cuda" and _flash_available()):
+        return (
+            "backend='flash' needs the flash-attn package and CUDA tensors (install "
+            "cp-varlen-attn[flash-attn]; backend='torch_varlen' needs nothing beyond torch)"
         )
-    return "flash" if backend == "flash" or (backend == "auto" and flash) else "torch"
+    if kernel == "torch_varlen" and not (device_type == "cuda" and torch_varlen_available()):
+        return (
+            "backend='torch_varlen' needs CUDA tensors and torch.nn.attention.varlen "
+            f"(torch >= 2.10); got {device_type} tensors and torch {torch.__version__}"
+        )
+    if dtype is not None and dtype not in HALF_DTYPES:
+        return (
+            f"backend={kernel!r} takes bfloat16 or float16 tensors, got {dtype} "
+            "(backend='torch' runs any dtype)"
+        )
+    return None
 
 
+@functools.cache
 def _flash_available() -> bool:
     try:
         import flash_attn  # noqa: F401
@@ -180,8 +199,10 @@ def _validate(q, k, v, layout, group, rank, backend) -> None:
 def _local_error(q, k, v, layout, group, rank, backend) -> str | None:
     if backend not in BACKENDS:
         return f"unknown backend {backend!r}; expected one of {BACKENDS}"
-    if backend == "flash" and not (_flash_available() and q.is_cuda):
-        return "backend='flash' needs the flash-attn package and CUDA tensors (install cp-varlen-attn[gpu])"
+    if backend != "auto":
+        reason = _cannot_run(backend, q.device.type, q.dtype)
+        if reason is not None:
+            return reason
     if not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4)):
         return f"q, k, v must all be [1, T, H, D] (or [T, H, D]); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
     if q.dim() == 4 and q.shape[0] != 1:

@@ -177,10 +177,11 @@ def enable_packing(
     """Adapt a transformers Qwen3.5 / Qwen3.5-MoE model (text or VLM) in place for packed rows
     (module docstring); idempotent. Returns the adapted Gated DeltaNet module paths.
 
-    ``attention_backend`` (``auto`` / ``torch`` / ``flash``, :func:`varlen_attention`) and
-    ``gdn_backend`` (``auto`` / ``torch`` / ``fla``, :func:`gated_delta_rule`): the kernels the
-    adapted layers call, kept on each layer (``attention_backend`` / ``gdn_backend``
-    attributes); a named backend that cannot run raises when the layer runs."""
+    ``attention_backend`` (``auto`` / ``torch`` / ``torch_varlen`` / ``flash``,
+    :func:`varlen_attention`) and ``gdn_backend`` (``auto`` / ``torch`` / ``fla``,
+    :func:`gated_delta_rule`): the kernels the adapted layers call, kept on each layer
+    (``attention_backend`` / ``gdn_backend`` attributes); a named backend that cannot run raises
+    when the layer runs."""
     from transformers import AttentionInterface
 
     gdn_classes, text_classes = check_transformers()
