@@ -112,6 +112,61 @@ def test_torch_adamw_paths_unchanged_on_gpu(impl):
     _assert_adamw_unchanged(impl, "cuda")
 
 
+def _steps_like_torch_fused(device: str, **ref_impl) -> torch.optim.Optimizer:
+    """``build_optimizer(..., "adamw")`` with no implementation named, stepped three times next
+    to torch's AdamW built with ``ref_impl``, an empty tensor (an FSDP2 shard) among the
+    parameters; returns the built optimizer after asserting the parameters equal."""
+    mine = [nn.Parameter(_p(*s, seed=i).to(device)) for i, s in enumerate([(3, 2), (0, 4), (5,)])]
+    theirs = [nn.Parameter(p.detach().clone()) for p in mine]
+    opt = build_optimizer(mine, "adamw", lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, **ref_impl)
+    for step in range(3):
+        for ps, o in ((mine, opt), (theirs, ref)):
+            for i, p in enumerate(ps):
+                p.grad = torch.full_like(p, 0.1 * (step + 1) * (i + 1)).sin()
+            o.step()
+    for a, b in zip(mine, theirs, strict=True):
+        assert torch.equal(a, b)
+    return opt
+
+
+def test_adamw_and_adam_take_torchs_fused_kernel_on_a_fused_device(monkeypatch):
+    """The rule, exercised on CPU by listing the CPU as a fused device (on a real run: CUDA):
+    "adamw" / "adam" get ``fused=True`` — the same steps as torch's fused AdamW, an empty
+    tensor included — unless the caller picked an implementation; elsewhere torch's default
+    stays."""
+    import safe_optim.build
+
+    assert build_optimizer([P], "adamw").defaults["fused"] is None  # CPU: torch's default
+    monkeypatch.setattr(safe_optim.build, "FUSED_DEVICE_TYPES", ("cpu",))
+    opt = _steps_like_torch_fused("cpu", fused=True)
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
+    assert build_optimizer([P, Q], "adam").defaults["fused"] is True
+    assert build_optimizer([P], "adamw", foreach=True).defaults["fused"] is None
+    assert build_optimizer([{"params": [P], "foreach": False}], "adamw").defaults["fused"] is None
+    assert build_optimizer([P], "sgd", lr=0.1).defaults.get("fused") is None
+    ints = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+    assert build_optimizer([P, ints], "adamw").defaults["fused"] is None  # not all floating
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_adamw_on_cuda_is_torchs_fused_adamw_and_equals_the_for_loop():
+    opt = _steps_like_torch_fused("cuda", fused=True)
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
+    # the fused kernel against torch's for-loop AdamW (an independent implementation)
+    mine = [nn.Parameter(_p(64, 33, seed=3).cuda()), nn.Parameter(torch.empty(0, device="cuda"))]
+    loop = [nn.Parameter(p.detach().clone()) for p in mine]
+    fused = build_optimizer(mine, "adamw", lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(loop, lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(5):
+        for ps, o in ((mine, fused), (loop, ref)):
+            for p in ps:
+                p.grad = torch.full_like(p, 0.3 * (step + 1)).cos()
+            o.step()
+    assert_close(mine[0].cpu(), loop[0].cpu(), rtol=1e-6, atol=1e-7, name="fused vs for-loop")
+
+
 def test_empty_tensor_declarations():
     assert accepts_empty_tensors("adamw") and accepts_empty_tensors(torch.optim.AdamW)
     assert not accepts_empty_tensors("te_fused_adam")
@@ -254,7 +309,7 @@ def test_step_hooks_run_once_per_step_after_load_state_dict():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.skipif(not HAS_TE, reason="needs transformer_engine (extra 'gpu')")
+@pytest.mark.skipif(not HAS_TE, reason="needs transformer_engine (extra 'te')")
 def test_te_fused_adam_on_gpu_skips_empty_tensors_and_matches_adamw():
     def make(values=None):
         g = torch.Generator().manual_seed(11)

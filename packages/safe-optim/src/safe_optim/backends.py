@@ -41,7 +41,7 @@ def _load_te_fused_adam() -> Callable[..., torch.optim.Optimizer]:
     except (ImportError, OSError, RuntimeError) as err:
         raise ImportError(
             "optimizer='te_fused_adam' needs NVIDIA TransformerEngine with its PyTorch extension "
-            "(pip install 'transformer-engine[pytorch]', or the 'gpu' extra of safe-optim) and a "
+            "(pip install 'transformer-engine[pytorch]', or the 'te' extra of safe-optim) and a "
             f"CUDA GPU; importing transformer_engine.pytorch.optimizers failed: {err!r}"
         ) from err
     return FusedAdam

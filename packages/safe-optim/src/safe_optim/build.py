@@ -5,6 +5,13 @@ foreach, fused) are built exactly as ``factory(groups, **kwargs)`` would build t
 same code path, nothing wrapped. Backends declared as failing on empty tensors get the filtering
 described in :mod:`safe_optim.filtered`.
 
+``"adamw"`` / ``"adam"`` on CUDA take torch's fused implementation (``fused=True``: one kernel
+per device and dtype applies the whole update, where the default ``foreach`` path runs a chain
+of ``_foreach_*`` kernels) when every parameter is a floating-point tensor on a device of
+:data:`FUSED_DEVICE_TYPES` and the caller picked no implementation (``fused`` / ``foreach`` /
+``differentiable`` in the arguments or a group). The update is the same AdamW / Adam update;
+torch's fused kernel skips zero-numel tensors itself, so empty FSDP2 shards need no filter.
+
 Input checks are local and identical on every rank (same arguments, same code), so they need no
 agreement between ranks; which parameters are empty differs by rank but is not an error.
 """
@@ -21,6 +28,11 @@ from safe_optim.filtered import build_skipping_empty
 
 __all__ = ["build_optimizer"]
 
+# where "adamw" / "adam" default to torch's fused kernel (the CPU keeps torch's own default)
+FUSED_DEVICE_TYPES = ("cuda",)
+_FUSED_NAMES = ("adamw", "adam")
+_IMPLEMENTATION_KEYS = {"fused", "foreach", "differentiable"}
+
 
 def build_optimizer(
     params_or_groups: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -33,9 +45,10 @@ def build_optimizer(
         params_or_groups: parameters (tensors of any shape, plain or ``DTensor``, e.g. FSDP2
             shards whose local part may have 0 elements), or param-group dicts each with a
             non-empty ``"params"`` list and any per-group options.
-        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"te_fused_adam"`` (TransformerEngine's
-            ``FusedAdam``, imported only then), or a class / factory / ``functools.partial``
-            called as ``optimizer(param_groups, **kwargs)``.
+        optimizer: ``"adamw"``, ``"adam"`` (torch's fused kernel on CUDA, see the module
+            docstring), ``"sgd"``, ``"te_fused_adam"`` (TransformerEngine's ``FusedAdam``,
+            imported only then), or a class / factory / ``functools.partial`` called as
+            ``optimizer(param_groups, **kwargs)``.
         **kwargs: the backend's options (``lr``, ``weight_decay``, ...).
 
     For a backend declared as failing on empty tensors (``te_fused_adam``, or any declared with
@@ -53,9 +66,20 @@ def build_optimizer(
     """
     groups = _normalize(params_or_groups)
     factory, accepts_empty = resolve_optimizer(optimizer)
+    if _takes_fused(optimizer, groups, kwargs):
+        kwargs = {**kwargs, "fused": True}
     if accepts_empty:
         return factory(groups, **kwargs)
     return build_skipping_empty(groups, factory, kwargs)
+
+
+def _takes_fused(optimizer: Any, groups: list[dict[str, Any]], kwargs: dict[str, Any]) -> bool:
+    if not (isinstance(optimizer, str) and optimizer in _FUSED_NAMES):
+        return False
+    if _IMPLEMENTATION_KEYS & (kwargs.keys() | {k for g in groups for k in g}):
+        return False
+    params = [p for g in groups for p in g["params"]]
+    return all(p.device.type in FUSED_DEVICE_TYPES and p.is_floating_point() for p in params)
 
 
 def _normalize(params_or_groups: Any) -> list[dict[str, Any]]:
