@@ -17,7 +17,7 @@ from moe_parallel.grouped import grouped_mm_works
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 needs_te = pytest.mark.skipif(
-    not HAS_TE, reason="needs transformer_engine (`uv sync --extra gpu` / moe-parallel[gpu])"
+    not HAS_TE, reason="needs transformer_engine (the te extra: moe-parallel[te])"
 )
 
 pytestmark = [

@@ -18,7 +18,7 @@ never stale memory: the same contract as the torch backend.
 A call with no rows at all never reaches TE: :func:`moe_parallel.expert_swiglu` sends it to the
 exact per-expert loop, which gives zero gradients.
 
-TransformerEngine is imported lazily: ``pip install 'moe-parallel[gpu]'`` on a CUDA machine.
+TransformerEngine is imported lazily: ``pip install 'moe-parallel[te]'`` on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _grouped_linear_class() -> type:
         from transformer_engine.pytorch import GroupedLinear
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "expert_backend='te' needs TransformerEngine (`pip install 'moe-parallel[gpu]'` "
+            "expert_backend='te' needs TransformerEngine (`pip install 'moe-parallel[te]'` "
             f"on a CUDA machine); importing transformer_engine.pytorch failed: {err!r}"
         ) from err
     return GroupedLinear
