@@ -46,7 +46,7 @@ def test_with_the_gpu_packages_present_auto_picks_them_and_the_report_says_so(mo
     monkeypatch.setattr(cp_varlen_attn.attention, "_flash_available", lambda: True)
     monkeypatch.setattr(cp_varlen_attn.gated_delta, "_fla_available", lambda: True)
     monkeypatch.setattr(kernels, "_te_available", lambda: True)
-    chosen = resolve_kernels(tiny("train.optimizer=auto"), "cuda")
+    chosen = resolve_kernels(tiny("train.optimizer=auto", "train.dtype=bfloat16"), "cuda")
     assert chosen.record() == {
         "attention": "flash",
         "gated delta rule": "fla",
@@ -60,15 +60,26 @@ def test_with_the_gpu_packages_present_auto_picks_them_and_the_report_says_so(mo
 
 
 def test_auto_falling_back_on_cuda_warns_naming_the_package(monkeypatch):
+    """The wheel-only install (no flash-attn, no TransformerEngine): in bf16 attention runs
+    torch's varlen_attn, the experts torch's grouped mm and AdamW torch's fused kernel, none a
+    fallback; the two slow paths warn: fp32 attention (the per-piece SDPA loop) and the torch
+    GDN rule without fla."""
     monkeypatch.setattr(cp_varlen_attn.attention, "_flash_available", lambda: False)
     monkeypatch.setattr(cp_varlen_attn.gated_delta, "_fla_available", lambda: False)
     monkeypatch.setattr(kernels, "_te_available", lambda: False)
-    chosen = resolve_kernels(tiny("train.optimizer=auto"), "cuda")
-    assert set(chosen.record().values()) == {"torch", "adamw"}
-    warned = "\n".join(chosen.fallbacks)
-    assert len(chosen.fallbacks) == 4
-    for package in ("flash-attn", "flash-linear-attention", "transformer-engine[pytorch]"):
-        assert f"install {package}" in warned
+    chosen = resolve_kernels(tiny("train.optimizer=auto", "train.dtype=bfloat16"), "cuda")
+    assert chosen.record() == {
+        "attention": "torch_varlen",
+        "gated delta rule": "torch",
+        "experts": "torch",
+        "optimizer": "adamw",
+    }
+    assert "attention torch varlen_attn (torch_varlen)" in chosen.line()
+    assert len(chosen.fallbacks) == 1 and "install flash-linear-attention" in chosen.fallbacks[0]
+    chosen = resolve_kernels(tiny("train.optimizer=auto"), "cuda")  # fp32
+    assert chosen.record()["attention"] == "torch"
+    assert len(chosen.fallbacks) == 2
+    assert "torch SDPA per document piece (slow): train.dtype=float32" in chosen.fallbacks[0]
 
 
 def test_a_named_backend_that_cannot_run_is_one_clear_error(capsys):

@@ -1,19 +1,22 @@
 """Which kernel each layer kind runs, decided once per run and reported.
 
-``model.attention_backend`` (``auto`` / ``torch`` / ``flash``), ``model.gdn_backend`` (``auto`` /
-``torch`` / ``fla``), ``model.expert_backend`` (``auto`` / ``torch`` / ``te``) and
-``train.optimizer`` (``auto`` / ``adamw`` / ``adam`` / ``te_fused_adam``): ``auto`` takes the fast
-GPU kernel when its package imports and the run is on CUDA, else the torch path; a named backend
-that cannot run here is an error before anything is built (:func:`resolve_kernels`, called where
+``model.attention_backend`` (``auto`` / ``torch`` / ``torch_varlen`` / ``flash``),
+``model.gdn_backend`` (``auto`` / ``torch`` / ``fla``), ``model.expert_backend`` (``auto`` /
+``torch`` / ``te``) and ``train.optimizer`` (``auto`` / ``adamw`` / ``adam`` / ``te_fused_adam``):
+``auto`` takes the fast GPU kernel where it can run (the run is on CUDA, its package imports;
+attention's varlen kernels in bf16), else the torch path; a named backend that cannot run here
+is an error before anything is built (:func:`resolve_kernels`, called where
 the layout is validated). The packages decide the same way when the layers run
 (:func:`cp_varlen_attn.resolve_attention_backend` / :func:`cp_varlen_attn.resolve_gdn_backend` are
 the rules :func:`cp_varlen_attn.varlen_attention` / :func:`cp_varlen_attn.gated_delta_rule`
 apply, moe-parallel's ``te`` test is TransformerEngine importing on CUDA), so the report names what
 runs. A frozen base held in FP8 (:mod:`qwen35_trainer.model.fp8.hold`) adds its line: its blocks are
 dequantized per use and multiplied in the compute dtype; there is no FP8 GEMM path yet, and the
-report says so on every device. On CUDA, ``auto`` falling back to a torch path is a WARNING naming the package to install
-(:attr:`Kernels.fallbacks`): Qwen3.5 trains 2-4x slower without the fast kernels, and nothing
-else would say so.
+report says so on every device. On CUDA, ``auto`` running the per-piece SDPA loop (an fp32 run:
+the varlen kernels take bf16/fp16) or the torch chunked GDN rule (fla not installed) is a
+WARNING saying why (:attr:`Kernels.fallbacks`): Qwen3.5 trains 2-4x slower there, and nothing
+else would say so. The experts' ``torch._grouped_mm`` and torch's fused AdamW (``adamw`` on
+CUDA) are fast paths, not fallbacks; TransformerEngine's are opt-in (the ``te`` extra).
 """
 
 from __future__ import annotations
@@ -21,29 +24,31 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 __all__ = ["Kernels", "resolve_kernels"]
 
-# per layer kind: (recipe key, {kernel: what the report calls it}, the fast kernel's package)
+# per layer kind: (recipe key, {kernel: what the report calls it})
 _NAMES = {
     "attention": (
         "model.attention_backend",
-        {"flash": "flash-attn varlen", "torch": "torch SDPA per document piece"},
-        "flash-attn",
+        {
+            "flash": "flash-attn varlen",
+            "torch_varlen": "torch varlen_attn",
+            "torch": "torch SDPA per document piece",
+        },
     ),
     "gated delta rule": (
         "model.gdn_backend",
         {"fla": "fla chunk_gated_delta_rule", "torch": "torch chunked rule"},
-        "flash-linear-attention",
     ),
     "experts": (
         "model.expert_backend",
         {"te": "TransformerEngine grouped GEMM", "torch": "torch grouped mm"},
-        "transformer-engine[pytorch]",
     ),
     "frozen base": (
         "model.base_dtype",
         {"dequantize": "FP8 blocks dequantized per use, bf16/fp32 GEMM (no FP8 GEMM path yet)"},
-        "",
     ),
     "optimizer": (
         "train.optimizer",
@@ -52,7 +57,6 @@ _NAMES = {
             "adamw": "torch AdamW",
             "adam": "torch Adam",
         },
-        "transformer-engine[pytorch]",
     ),
 }
 
@@ -88,13 +92,18 @@ def resolve_kernels(recipe: Any, device_type: str) -> Kernels:
     from cp_varlen_attn import resolve_attention_backend, resolve_gdn_backend
 
     model, optimizer = recipe.model, recipe.train.optimizer
+    dtype = getattr(torch, recipe.train.dtype)
     cuda = device_type == "cuda"
     te = cuda and _te_available()
     # expert LoRA runs inside the torch grouped path (TE's fused experts have no place for it)
     expert_lora = model.lora is not None and "experts" in model.lora.targets
     chosen, errors = {}, []
     for kind, resolve, asked in (
-        ("attention", lambda b: resolve_attention_backend(b, device_type), model.attention_backend),
+        (
+            "attention",
+            lambda b: resolve_attention_backend(b, device_type, dtype),
+            model.attention_backend,
+        ),
         ("gated delta rule", lambda b: resolve_gdn_backend(b, device_type), model.gdn_backend),
         ("experts", lambda b: _experts(b, te, expert_lora), model.expert_backend),
         (
@@ -111,15 +120,19 @@ def resolve_kernels(recipe: Any, device_type: str) -> Kernels:
         raise ValueError("; ".join(errors))
     if model.fp8_base:
         chosen = {**chosen, "frozen base": "dequantize"}
+    why = {
+        "attention": f"train.dtype={recipe.train.dtype}, and the varlen kernels take bfloat16 "
+        "(train.dtype=bfloat16 runs torch's varlen_attn)"
+        if dtype == torch.float32
+        else f"torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not "
+        "installed",
+        "gated delta rule": "install flash-linear-attention (pip install 'qwen35-trainer[gpu]') "
+        "for the fast kernel",
+    }
     fallbacks = tuple(
-        f"{_NAMES[kind][0]}=auto on CUDA runs the {_NAMES[kind][1][k]} (slow): install "
-        f"{_NAMES[kind][2]} (pip install 'qwen35-trainer[gpu]') for the fast kernel"
+        f"{_NAMES[kind][0]}=auto on CUDA runs the {_NAMES[kind][1][k]} (slow): {why[kind]}"
         for kind, k in chosen.items()
-        if cuda
-        and kind != "frozen base"
-        and _asked(recipe, kind) == "auto"
-        and k in ("torch", "adamw")
-        and not (kind == "experts" and expert_lora)  # torch is the only path there
+        if cuda and kind in why and k == "torch" and _asked(recipe, kind) == "auto"
     )
     return Kernels(chosen, fallbacks)
 
