@@ -1,6 +1,7 @@
 """``qwen35-train plan --search``: the candidate layouts keep the recipe's step, the groups
 spanning nodes come from the trainer's own rank grids (checked against rank arithmetic), the
-ranking, the command it prints; and the per-rank verdict of a plan whose stages differ."""
+ranking (fitting first, then the predicted step time), the command it prints; and the per-rank
+verdict of a plan whose stages differ."""
 
 from __future__ import annotations
 
@@ -130,14 +131,17 @@ def searched():
     return search(recipe, lambda sets: load_recipe(TINY, [*PACKED, *sets]), world=4, node_gpus=2)
 
 
-def test_search_ranks_fits_then_inter_node_bytes_then_bubble(searched):
-    """Best first: every fitting plan before the rest, then the fewest bytes over groups that
-    span nodes (each the planned ranks' most: the sum of its crossing kinds), then the
-    bubble."""
+def test_search_ranks_fits_then_step_time(searched):
+    """Best first: every fitting plan before the rest, then the shortest predicted step (each
+    candidate's own plan timed on the H100 with nodes of 2 GPUs); the bytes over groups that
+    span nodes (each the planned ranks' most: the sum of its crossing kinds) stay a column."""
+    from qwen35_trainer.plan.hardware import hardware
+    from qwen35_trainer.plan.timing import step_time
+
     keys = [c.rank_key() for c in searched]
     assert keys == sorted(keys) and len(searched) == 7
     planned = [c for c in searched if c.plan is not None]
-    assert len(planned) >= 4 and all(c.fits for c in planned)
+    assert len(planned) == 7 and all(c.fits for c in planned)
     for c in planned:
         p = c.recipe.parallel
         crossing = crossing_groups(ParallelDims.from_recipe(p, 4), 2)
@@ -145,12 +149,41 @@ def test_search_ranks_fits_then_inter_node_bytes_then_bubble(searched):
             sum(n for k, n in t.items() if k in crossing) for t in c.plan.rank_traffic.values()
         )
         assert c.inter_node == most
-    assert len(planned) == 7
+        assert c.time.seconds == step_time(c.plan, hardware("h100"), node_gpus=2).seconds
     # nodes of 2 GPUs: FSDP over the 4 ranks, HSDP's all-reduce and the pipeline's sends
-    # cross them; the best crosses least
+    # cross them
     assert all(c.inter_node > 0 for c in planned)
-    best = searched[0]
-    assert best.inter_node == min(c.inter_node for c in planned)
+    times = [c.time.seconds for c in planned]
+    assert times == sorted(times) and times[0] < times[-1]
+
+
+def test_the_ranking_puts_the_step_time_before_the_bytes_over_nodes():
+    """Two fitting layouts: the one sending more over the nodes but predicted faster ranks
+    first; an unplanned one ranks last; among equal times the fewer bytes win."""
+    from qwen35_trainer.plan.search import Candidate
+
+    def fake(seconds, inter_node):
+        time = dataclasses.replace(_step(), seconds=seconds)
+        return Candidate({}, (), None, _fitting_plan(), inter_node=inter_node, time=time)
+
+    fast_wide, slow_narrow = fake(1.0, 10 * GIB), fake(2.0, 0)
+    refused = Candidate({}, (), None, reason="no")
+    ranked = sorted([refused, slow_narrow, fast_wide], key=Candidate.rank_key)
+    assert ranked == [fast_wide, slow_narrow, refused]
+    tie = fake(1.0, GIB)
+    assert sorted([fast_wide, tie], key=Candidate.rank_key) == [tie, fast_wide]
+
+
+def _fitting_plan() -> Plan:
+    layout = dict(pp=1, dp_replicate=1, dp=1, cp=1, tp=1, ep=1)
+    return Plan("x", 1, layout, 0, 0, {0: Memory(GIB, 0, 0, 0, 0, 0, 0, 0, 0)}, {}, 80.0)
+
+
+def _step():
+    from qwen35_trainer.plan.hardware import hardware
+    from qwen35_trainer.plan.timing import StepTime
+
+    return StepTime(hardware("h100"), 1.0, 1.0, {}, 0.0, 0.0, 1, 1.0, 1)
 
 
 def test_the_printed_command_plans_the_best_layout(searched, capsys):

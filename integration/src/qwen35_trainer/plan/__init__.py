@@ -9,7 +9,8 @@
 """
 
 from qwen35_trainer.plan.headroom import Headroom
-from qwen35_trainer.plan.planner import GIB, Plan, communication, plan, row_shape
+from qwen35_trainer.plan.planner import GIB, Plan, plan, row_shape
 from qwen35_trainer.plan.report import format_plan
+from qwen35_trainer.plan.traffic import communication
 
 __all__ = ["GIB", "Headroom", "Plan", "communication", "format_plan", "plan", "row_shape"]

@@ -1,9 +1,10 @@
 """``qwen35-train plan RECIPE``: the plan's table (:mod:`qwen35_trainer.plan`); exit 0 when the
 predicted peak fits ``--gpu-memory``, 3 when it does not, 2 for a recipe or layout that cannot
-run. ``qwen35-train plan --sizes``: the GPUs each public size fine-tunes on.
-``qwen35-train plan RECIPE --search``: every layout of the recipe's step on its GPUs (or
-``--world-size``), pipeline parallelism included, best first (:mod:`.search`); exit 0 when one
-fits."""
+run; the step's time on ``--gpu`` (:mod:`.timing`). ``qwen35-train plan --sizes``: the GPUs each
+public size fine-tunes on. ``qwen35-train plan --published``: the step-time model against the
+published Qwen3.6-35B-A3B runs (:mod:`.published`). ``qwen35-train plan RECIPE --search``: every
+layout of the recipe's step on its GPUs (or ``--world-size``), pipeline parallelism included,
+fastest first (:mod:`.search`); exit 0 when one fits."""
 
 from __future__ import annotations
 
@@ -25,7 +26,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_recipe_arguments(parser)
     parser.add_argument("--world-size", type=int, help="ranks (rescales the data-parallel degree)")
-    parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB")
+    parser.add_argument(
+        "--gpu-memory", type=float, metavar="GiB", help="the verdict's memory (default: --gpu's)"
+    )
+    parser.add_argument(
+        "--gpu", default="h100", help="the GPU the step is timed on: h100 (default), h200, b200"
+    )
+    parser.add_argument(
+        "--gpu-set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change a field of --gpu's profile (repeatable): bf16_tflops, hbm_tbps, "
+        "nvlink_gbps, ib_gbps (one way, per GPU), memory_gib",
+    )
+    parser.add_argument(
+        "--efficiency",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change an efficiency of the step-time model (repeatable): matmul, head, grouped, "
+        "attention, recurrence, nvlink, ib, hbm",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON there")
     parser.add_argument(
         "--headroom",
@@ -39,10 +61,13 @@ def _parser() -> argparse.ArgumentParser:
         "--search",
         action="store_true",
         help="plan every layout of the recipe's step (pp, cp, FSDP or HSDP inside a node, ep) "
-        "on its GPUs or --world-size, best first",
+        "on its GPUs or --world-size, fastest first",
     )
     parser.add_argument(
-        "--node-gpus", type=int, default=8, help="GPUs per node (--search; default 8)"
+        "--node-gpus",
+        type=int,
+        default=8,
+        help="GPUs per node (default 8): which groups span nodes",
     )
     parser.add_argument(
         "--pp",
@@ -60,31 +85,64 @@ def plan_main(argv: list[str]) -> int:
 
         print(size_table())
         return 0
+    if argv == ["--published"]:
+        from qwen35_trainer.plan.published import published_table
+
+        print(published_table())
+        return 0
     args = _parser().parse_args(argv)
     from qwen35_trainer.plan import Headroom, format_plan, plan
+    from qwen35_trainer.plan.hardware import hardware
+    from qwen35_trainer.plan.timing import Efficiency, step_time
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         headroom = Headroom.parse(args.headroom)
+        gpu = hardware(args.gpu, args.gpu_set)
+        efficiency = Efficiency.parse(args.efficiency)
+        if args.node_gpus < 1:
+            raise ValueError(f"--node-gpus must be >= 1, got {args.node_gpus}")
+        memory = args.gpu_memory if args.gpu_memory is not None else gpu.memory_gib
         if args.search:
-            return _search(recipe, args, headroom)
+            return _search(recipe, args, headroom, gpu, efficiency, memory)
         result = plan(
             recipe,
             name=str(args.recipe),
             world_size=args.world_size,
-            gpu_memory_gib=args.gpu_memory,
+            gpu_memory_gib=memory,
             headroom=headroom,
         )
+        timing = step_time(result, gpu, efficiency, args.node_gpus)
     except (OSError, ValueError) as err:
         print(f"qwen35-train plan: {err}", file=sys.stderr)
         return EXIT_BAD_RECIPE
-    print(format_plan(result))
+    print(format_plan(result, timing))
     if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=2))
+        Path(args.json).write_text(json.dumps(_json(result, timing), indent=2))
     return 0 if result.fits else EXIT_DOES_NOT_FIT
 
 
-def _search(recipe, args, headroom) -> int:
+def _json(planned, timing) -> dict:
+    """The plan's JSON with its step time."""
+    if timing is None:
+        return planned.to_json()
+    return {
+        **planned.to_json(),
+        "step_time": {
+            "gpu": timing.gpu.name,
+            "seconds": timing.seconds,
+            "compute_seconds": timing.compute,
+            "exposed_seconds": timing.exposed,
+            "pipeline_idle_seconds": timing.pipeline_idle,
+            "optimizer_seconds": timing.optimizer,
+            "tokens_per_second_per_gpu": timing.tokens_per_gpu,
+            "model_tflops_per_gpu": timing.tflops_per_gpu,
+            "mfu": timing.mfu,
+        },
+    }
+
+
+def _search(recipe, args, headroom, gpu, efficiency, memory) -> int:
     """``--search``: each candidate's line as it is decided, then the ranked table and the
     command that plans the best."""
     import functools
@@ -94,26 +152,26 @@ def _search(recipe, args, headroom) -> int:
     from qwen35_trainer.plan.search_report import format_candidate, format_search
 
     world = args.world_size or recipe.parallel.world
-    if args.node_gpus < 1:
-        raise ValueError(f"--node-gpus must be >= 1, got {args.node_gpus}")
     found = search(
         recipe,
         lambda sets: load_recipe(args.recipe, [*args.overrides, *sets]),
         world=world,
         node_gpus=args.node_gpus,
-        gpu_memory_gib=args.gpu_memory,
+        gpu_memory_gib=memory,
         pp_values=args.pp,
         planner=functools.partial(plan, headroom=headroom),
         on_candidate=lambda c: print(format_candidate(c), flush=True),
+        gpu=gpu,
+        efficiency=efficiency,
     )
-    print(format_search(found, str(args.recipe), args.overrides, world, args.gpu_memory))
+    print(format_search(found, str(args.recipe), args.overrides, world, memory, gpu))
     if args.json:
         rows = [
             {
                 "sets": list(c.sets),
                 "reason": c.reason,
                 "inter_node_bytes": c.inter_node,
-                "plan": c.plan.to_json() if c.plan else None,
+                "plan": _json(c.plan, c.time) if c.plan else None,
             }
             for c in found
         ]

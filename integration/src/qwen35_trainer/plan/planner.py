@@ -5,8 +5,9 @@ split; the ranks between hold the same as one of them or less), each in a fresh 
 caches meshes per process; :func:`rank_processes`) on a fake process group (:mod:`.world`): the
 model is built on the meta device and parallelised by the SAME code the trainer runs
 (:func:`qwen35_trainer.parallel.parallelize`: TP, EP, AC, FSDP2 with mixed precision), then
-every byte is accounted (:mod:`.memory`) and the traffic of one step is
-estimated (:func:`communication`).
+every byte is accounted (:mod:`.memory`), the traffic of one step is
+estimated (:func:`.traffic.communication`) and the compute of each planned rank is counted
+(:mod:`.work`): :mod:`.timing` prices the plan on a GPU (step time, tokens/s/GPU, MFU).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.parallel import FSDP_UNITS, ParallelDims, validate_layout
 from qwen35_trainer.plan.headroom import Headroom, process_groups
 from qwen35_trainer.plan.memory import ROUTING_SKEW, Memory, Shape, memory
-from qwen35_trainer.plan.stages import bubble_fraction, p2p_bytes, stage_view
+from qwen35_trainer.plan.stages import StageView, bubble_fraction, p2p_bytes, stage_view
+from qwen35_trainer.plan.traffic import communication
+from qwen35_trainer.plan.work import Work, rank_work, step_model_flops
 from qwen35_trainer.plan.world import fake_world
 
-__all__ = ["GIB", "Plan", "communication", "plan", "rank_processes", "row_shape"]
+__all__ = ["GIB", "Plan", "Step", "communication", "plan", "rank_processes", "row_shape"]
 
 GIB = 1 << 30
 
@@ -41,6 +44,22 @@ PRELOAD = (
     "qwen35_trainer.plan.planner",
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What the step-time model (:mod:`.timing`) needs of the whole step beyond each rank's
+    :class:`.work.Work`: the micro-batches and the schedule, the tokens and model FLOPs of the
+    step, the layout's rank grids (which groups span nodes) and whether TP's collectives are
+    fused into its matmuls (async TP)."""
+
+    microbatches: int
+    schedule: str
+    virtual: int
+    tokens: int
+    model_flops: float
+    dims: ParallelDims
+    async_tp: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +77,8 @@ class Plan:
     bubble: float | None = None  # under PP: the share of a step each rank idles
     # each planned rank's traffic (``communication`` is the last planned rank's)
     rank_traffic: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
+    work: dict[int, Work] = dataclasses.field(default_factory=dict)  # each planned rank's
+    step: Step | None = None
 
     def rank_peak(self, rank: int) -> int:
         """``rank``'s predicted peak in bytes: its counted tensors and every headroom term of
@@ -158,45 +179,10 @@ def row_shape(recipe, cp: int) -> Shape:
     )
 
 
-def communication(model, dims, shape: Shape, layer_types=None) -> dict[str, int]:
-    """Bytes each rank sends in one step, by kind (ring collectives: ``(n-1)/n`` of the data;
-    forward, recompute and backward counted where each runs); ``layer_types``: the decoder
-    layers this rank runs (a pipeline stage's; default all)."""
-    text = model.config.text_config
-    layer_types = text.layer_types if layer_types is None else layer_types
-    b = shape.compute_bytes
-    experts = sum(p.numel() for n, p in model.named_parameters() if "experts." in n)
-    dense = sum(p.numel() for p in model.parameters()) - experts
-    shard = dims.dp * dims.cp
-    efsdp = shard // dims.ep
-
-    def ring(n: int) -> float:
-        return (n - 1) / n if n > 1 else 0.0
-
-    expert_shard = experts / dims.ep
-    traffic = {}
-    if dims.dp_replicate > 1:  # HSDP: each shard's fp32 gradient all-reduced over the replicas
-        local = dense / shard + expert_shard / efsdp
-        traffic["hsdp_all_reduce"] = int(2 * local * 4 * ring(dims.dp_replicate))
-    a2a = len(layer_types) * shape.tokens * text.num_experts_per_tok * text.hidden_size
-    full = sum(t == "full_attention" for t in layer_types)
-    kv = 2 * text.num_key_value_heads * text.head_dim
-    return {
-        **traffic,
-        "fsdp_all_gather": int(2 * dense * b * ring(shard)),
-        "fsdp_reduce_scatter": int(dense * 4 * ring(shard)),
-        "expert_fsdp_all_gather": int(2 * expert_shard * b * ring(efsdp)),
-        "expert_fsdp_reduce_scatter": int(expert_shard * 4 * ring(efsdp)),
-        "ep_all_to_all": int(a2a * b * 2 * 3 * ring(dims.ep)),
-        "cp_exchange": int(full * shape.row_tokens * kv * b * 3 * ring(dims.cp)),
-        "vision_gather": int(shape.image_tokens * text.hidden_size * b * 2 * ring(dims.cp)),
-    }
-
-
 def _rank_plan(recipe, dims: ParallelDims, rank: int):
-    """``(Memory, (total, routed, MTP) parameters, communication)`` of ``rank``: the model
-    built on meta and
-    parallelised on a fake world by the trainer's own code (``dims``: the validated layout)."""
+    """``(Memory, (total, routed, MTP) parameters, communication, Work)`` of ``rank``: the model
+    built on meta and parallelised on a fake world by the trainer's own code (``dims``: the
+    validated layout)."""
     world = dims.world
     with fake_world(world, rank):
         objective, _ = build_training_model(
@@ -208,32 +194,44 @@ def _rank_plan(recipe, dims: ParallelDims, rank: int):
         ]
         shape = row_shape(recipe, dims.cp)
         lora = recipe.model.lora is not None
+        text = model.config.text_config
+        micro = recipe.train.grad_accum_steps
         stage = None
         if objective.pipeline is not None:
-            text = model.config.text_config
-            micro = recipe.train.grad_accum_steps
             stage = stage_view(objective.pipeline, text.layer_types, micro, dims.pp)
+        checkpointing = recipe.train.activation_checkpointing
         mem = memory(
             model,
             dims,
             shape,
-            checkpointing=recipe.train.activation_checkpointing,
+            checkpointing=checkpointing,
             units=units,
             sharded=not (lora and world == 1),  # one LoRA process: no FSDP
             stage=stage,
         )
         counts = parameter_counts(model)
-        traffic = communication(model, dims, shape, stage and stage.layer_types)
+        traffic = communication(
+            model,
+            dims,
+            shape,
+            stage and stage.layer_types,
+            microbatches=micro,
+            checkpointing=checkpointing,
+            pipelined=stage is not None,
+            tower=stage is None or stage.first,
+        )
         if stage is not None:
             traffic["pp_p2p"] = p2p_bytes(
-                model.config.text_config,
+                text,
                 stage,
-                recipe.train.grad_accum_steps,
+                micro,
                 shape.tokens // shape.sequence_split,  # under SP: this TP rank's slice
                 shape.row_tokens,
                 shape.compute_bytes,
             )
-        return mem, counts, traffic
+        whole = stage or StageView(tuple(text.layer_types), True, True, 1.0, 0, 0)
+        work = rank_work(recipe, model.config, dims, shape, whole, units=len(units))
+        return mem, counts, traffic, work
 
 
 PLAN_PROCESSES = 4  # ranks planned at once (each builds the meta model in its own process)
@@ -290,18 +288,30 @@ def plan(
     if world != p.world:
         recipe = dataclasses.replace(recipe, parallel=p.filling(world, "--world-size"))
     dims = validate_layout(recipe, world, on_this_machine=False)
-    ranks, rank_traffic = {}, {}
+    ranks, rank_traffic, work = {}, {}, {}
     # the first and last ranks; under PP the first rank of every stage (each holds other layers)
     planned = sorted({0, world - 1, *range(0, world, world // p.pp)})
     with rank_processes(min(len(planned), PLAN_PROCESSES)) as pool:
         futures = {rank: pool.submit(_rank_plan, recipe, dims, rank) for rank in planned}
         for rank, future in futures.items():
-            ranks[rank], (total, routed, mtp), traffic = future.result()
+            ranks[rank], (total, routed, mtp), traffic, work[rank] = future.result()
             rank_traffic[rank] = traffic
     if p.pp > 1:  # a planned rank holds its stages only: count the whole model
         total, routed, mtp = parameter_counts(build_meta_model(recipe.model))
-    text = build_config(recipe.model).text_config
+    config = build_config(recipe.model)
+    text = config.text_config
     micro = recipe.train.grad_accum_steps
+    shape = row_shape(recipe, p.cp)
+    groups = p.dp_replicate * p.dp
+    step = Step(
+        micro,
+        p.pp_schedule,
+        p.pp_virtual_stages if p.pp > 1 else 1,
+        shape.row_tokens * micro * groups,
+        step_model_flops(recipe, config, shape),
+        dims,
+        p.async_tp,
+    )
     active = total - routed + routed * text.num_experts_per_tok // text.num_experts
     keys = ("pp", "dp_replicate", "dp", "cp", "tp", "ep")
     layout = {k: getattr(recipe.parallel, k) for k in keys}
@@ -320,4 +330,6 @@ def plan(
         if p.pp > 1
         else None,
         rank_traffic=rank_traffic,
+        work=work,
+        step=step,
     )

@@ -1,16 +1,38 @@
 """The plan as the table ``qwen35-train plan`` prints: the counted tensors per rank, then each
 term of what the GPU holds beyond them (:mod:`qwen35_trainer.plan.headroom`), the traffic of one
-step, and the verdict against the GPU's memory."""
+step, the step's time on a GPU (:mod:`qwen35_trainer.plan.timing`), and the verdict against the
+GPU's memory."""
 
 from __future__ import annotations
 
 from qwen35_trainer.plan.planner import GIB, Plan
+from qwen35_trainer.plan.timing import StepTime
 
-__all__ = ["format_plan"]
+__all__ = ["format_plan", "format_time"]
 
 
-def format_plan(p: Plan) -> str:
-    """The plan as the table the command prints."""
+def format_time(t: StepTime) -> list[str]:
+    """The step-time lines: the GPU, the bottleneck's compute, each kind's exposed
+    communication, the pipeline's fill and drain, the optimizer, then the totals."""
+    g = t.gpu
+    lines = [
+        f"step time on {g.name} ({g.bf16_tflops:g} TFLOP/s bf16, HBM {g.hbm_tbps:g} TB/s, "
+        f"NVLink {g.nvlink_gbps:g} / InfiniBand {g.ib_gbps:g} GB/s per GPU one way; "
+        "--gpu, --gpu-set, --efficiency to change)",
+        f"  {'compute (bottleneck rank)':<31}{t.compute:10.3f} s",
+        "  exposed communication",
+        *(f"    {kind:<29}{s:10.3f} s" for kind, s in t.exposed.items()),
+        f"  {'pipeline fill and drain':<31}{t.pipeline_idle:10.3f} s",
+        f"  {'optimizer step':<31}{t.optimizer:10.3f} s",
+        f"  {'step':<31}{t.seconds:10.3f} s",
+        f"  {'tokens/s/GPU':<31}{t.tokens_per_gpu:10,.0f}",
+        f"  {'model TFLOP/s/GPU':<31}{t.tflops_per_gpu:10.1f}   (MFU {t.mfu:.1%})",
+    ]
+    return lines
+
+
+def format_plan(p: Plan, timing: StepTime | None = None) -> str:
+    """The plan as the table the command prints (``timing``: its step on a GPU)."""
     layout = " x ".join(f"{k} {v}" for k, v in p.layout.items() if v > 1) or "one rank"
     lines = [
         f"plan: {p.recipe_name} on {p.world} ranks ({layout})",
@@ -40,6 +62,8 @@ def format_plan(p: Plan) -> str:
     lines += [f"  {kind:<19}{n / GIB:12.2f}" for kind, n in p.communication.items()]
     if p.bubble is not None:
         lines += ["", f"pipeline bubble {p.bubble:.1%} of each step (idle on every rank)"]
+    if timing is not None:
+        lines += ["", *format_time(timing)]
     verdict = "fits" if p.fits else "does NOT fit"
     lines += [
         "",

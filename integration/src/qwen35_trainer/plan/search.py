@@ -18,10 +18,13 @@ Candidates (the recipe's ``tp``, SP and schedule kept):
   HSDP keeping each shard group inside one node of ``node_gpus`` (``dp_replicate`` the rest);
 - ``ep``: the largest divisor of ``dp·cp`` and of the routed experts, at most the recipe's.
 
-The ranking, best first: the layouts that fit; then the fewest bytes one rank sends over groups
-spanning nodes per step (:func:`inter_node_bytes`; inter-node links are several times slower
-than NVLink, so these bytes bound the step); then the smallest bubble; then the lowest
-predicted peak. A layout whose parameters, gradients and Adam moments alone
+The ranking, best first: the layouts that fit; then the shortest predicted step
+(:func:`.timing.step_time` on the ``gpu``: compute, exposed communication over NVLink or
+InfiniBand, the pipeline's fill and drain, the optimizer); then the fewest bytes one rank sends
+over groups spanning nodes per step (:func:`inter_node_bytes`); then the smallest bubble; then
+the lowest predicted peak. The bytes over nodes and the bubble stay as columns: they are in the
+step time already, and say why a layout is slow. A layout whose parameters, gradients and Adam
+moments alone
 (``16 B`` per trained parameter, the stored bytes of a frozen one, spread evenly) exceed the
 GPU is reported without planning it.
 """
@@ -36,7 +39,9 @@ import torch
 
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.parallel import ParallelDims
+from qwen35_trainer.plan.hardware import Hardware, hardware
 from qwen35_trainer.plan.planner import GIB, Plan, plan
+from qwen35_trainer.plan.timing import Efficiency, StepTime, step_time
 
 __all__ = ["Candidate", "candidates", "crossing_groups", "inter_node_bytes", "search"]
 
@@ -52,16 +57,24 @@ class Candidate:
     plan: Plan | None = None
     reason: str = ""
     inter_node: int = 0  # bytes one rank sends over node-spanning groups per step (max rank)
+    time: StepTime | None = None  # the planned layout's step on the search's GPU
 
     @property
     def fits(self) -> bool:
         return self.plan is not None and self.plan.fits
 
     def rank_key(self) -> tuple:
-        """The ranking (module docstring): fitting first, then inter-node bytes, bubble, peak."""
-        if self.plan is None:
-            return (2, 0, 0.0, 0.0)
-        return (int(not self.fits), self.inter_node, self.plan.bubble or 0.0, self.plan.peak_gib)
+        """The ranking (module docstring): fitting first, then the step time, inter-node bytes,
+        bubble, peak."""
+        if self.plan is None or self.time is None:
+            return (2, 0.0, 0, 0.0, 0.0)
+        return (
+            int(not self.fits),
+            self.time.seconds,
+            self.inter_node,
+            self.plan.bubble or 0.0,
+            self.plan.peak_gib,
+        )
 
 
 def _divisors(n: int) -> list[int]:
@@ -130,7 +143,7 @@ def candidates(
 
 
 def crossing_groups(dims: ParallelDims, node_gpus: int) -> set[str]:
-    """The communication kinds (:func:`qwen35_trainer.plan.planner.communication`, and
+    """The communication kinds (:func:`qwen35_trainer.plan.traffic.communication`, and
     ``pp_p2p``) whose process groups span more than one node of ``node_gpus`` consecutive
     ranks, from the trainer's own rank grids (:meth:`ParallelDims.expert_grid`; the dense mesh
     is ``(pp, dp_replicate, dp_shard, cp, tp)`` in rank order)."""
@@ -155,6 +168,7 @@ def crossing_groups(dims: ParallelDims, node_gpus: int) -> set[str]:
         "cp_exchange": spans(dense, 3),
         "vision_gather": spans(dense, 3),
         "pp_p2p": spans(dense, 0),
+        "tp": spans(dense, 4),
     }
     return {kind for kind, crosses in kinds.items() if crosses}
 
@@ -186,10 +200,13 @@ def search(
     pp_values: list[int] | None = None,
     planner: Callable[..., Plan] = plan,
     on_candidate: Callable[[Candidate], None] | None = None,
+    gpu: Hardware | None = None,
+    efficiency: Efficiency | None = None,
 ) -> list[Candidate]:
     """Every candidate layout of ``recipe`` on ``world`` GPUs, best first (module docstring);
     ``load(sets)``: the recipe with those overrides (``ValueError`` for one that cannot be);
-    ``on_candidate``: called with each as it is decided (progress)."""
+    ``on_candidate``: called with each as it is decided (progress); ``gpu`` (default the H100)
+    and ``efficiency``: what the step is timed on."""
     from qwen35_trainer.model.build import build_meta_model
     from qwen35_trainer.plan.planner import parameter_counts
 
@@ -202,11 +219,13 @@ def search(
         if isinstance(sets, str):
             found.append(Candidate(layout, (), None, reason=sets))
         else:
-            found.append(
-                _decide(
-                    recipe, load, layout, sets, total, world, node_gpus, gpu_memory_gib, planner
-                )
+            decided = _decide(
+                recipe, load, layout, sets, total, world, node_gpus, gpu_memory_gib, planner
             )
+            if decided.plan is not None:
+                timed = step_time(decided.plan, gpu or hardware(), efficiency, node_gpus)
+                decided = dataclasses.replace(decided, time=timed)
+            found.append(decided)
         if on_candidate is not None:
             on_candidate(found[-1])
     return sorted(found, key=Candidate.rank_key)

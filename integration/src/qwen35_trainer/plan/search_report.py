@@ -1,10 +1,12 @@
 """The search's output (:mod:`.search`): a line per candidate as it is decided, then the ranked
-table and the command that plans the best layout."""
+table (fastest first: predicted step time and tokens/s/GPU, with the peak, the bubble and the
+bytes over nodes) and the command that plans the best layout."""
 
 from __future__ import annotations
 
 import shlex
 
+from qwen35_trainer.plan.hardware import Hardware
 from qwen35_trainer.plan.planner import GIB
 from qwen35_trainer.plan.search import Candidate
 
@@ -22,29 +24,38 @@ def _micro(c: Candidate) -> str:
 
 
 def format_candidate(c: Candidate) -> str:
-    """One line: the layout and its verdict (planned: peak, bubble, inter-node bytes)."""
+    """One line: the layout and its verdict (planned: step time, tokens/s/GPU, peak, bubble,
+    inter-node bytes)."""
     if c.plan is None:
         return f"  {_layout(c):<32} not planned: {c.reason}"
     p = c.plan
     verdict = "fits" if p.fits else "does NOT fit"
     bubble = f"{p.bubble:6.1%}" if p.bubble is not None else f"{'-':>6}"
+    seconds = f"{c.time.seconds:9.2f}" if c.time else f"{'-':>9}"
+    tokens = f"{c.time.tokens_per_gpu:10,.0f}" if c.time else f"{'-':>10}"
     return (
-        f"  {_layout(c):<32}{_micro(c):>6}{p.peak_gib:10.2f}{bubble:>9}"
+        f"  {_layout(c):<32}{_micro(c):>6}{seconds}{tokens}{p.peak_gib:10.2f}{bubble:>9}"
         f"{c.inter_node / GIB:12.2f}  {verdict}"
     )
 
 
 def format_search(
-    found: list[Candidate], recipe: str, overrides: list[str], world: int, gpu_gib: float
+    found: list[Candidate],
+    recipe: str,
+    overrides: list[str],
+    world: int,
+    gpu_gib: float,
+    gpu: Hardware | None = None,
 ) -> str:
     """The ranked table and the ``qwen35-train plan`` command of the best candidate."""
     header = (
-        f"  {'layout':<32}{'micro':>6}{'peak GiB':>10}{'bubble':>9}{'inter-node':>12}"
-        "  (GiB sent per rank and step over groups spanning nodes)"
+        f"  {'layout':<32}{'micro':>6}{'step s':>9}{'tok/s/GPU':>10}{'peak GiB':>10}"
+        f"{'bubble':>9}{'inter-node':>12}  (GiB sent per rank and step over groups spanning nodes)"
     )
+    on = f" {gpu.name}" if gpu else ""
     lines = [
         "",
-        f"search: {recipe} on {world} GPUs of {gpu_gib:g} GiB, best first",
+        f"search: {recipe} on {world}{on} GPUs of {gpu_gib:g} GiB, fastest first",
         header,
         *(format_candidate(c) for c in found),
         "",
@@ -54,8 +65,10 @@ def format_search(
         return "\n".join(lines)
     sets = [a for item in [*overrides, *found[0].sets] for a in ("--set", item)]
     command = shlex.join(["qwen35-train", "plan", recipe, *sets])
+    best = found[0]
     lines += [
-        f"best: {_layout(found[0])}, predicted peak {found[0].plan.peak_gib:.2f} GiB",
+        f"best: {_layout(best)}, predicted step {best.time.seconds:.2f} s "
+        f"({best.time.tokens_per_gpu:,.0f} tokens/s/GPU), peak {best.plan.peak_gib:.2f} GiB",
         command,
     ]
     return "\n".join(lines)

@@ -1,0 +1,220 @@
+"""How long one optimizer step of a plan takes on a GPU (:mod:`.hardware`): step time,
+tokens/s/GPU, model TFLOP/s/GPU, MFU, and what each kind of communication leaves exposed.
+
+Per planned rank (its :class:`.work.Work` and its traffic, :mod:`.traffic`):
+
+- **compute**: each kind's executed FLOPs (forward, recompute, backward) over the GPU's dense
+  BF16 peak times the efficiency of the kind's op class (:data:`OP_CLASS`, :class:`Efficiency`):
+  the decoder's and the tower's projections (``matmul``), the ``lm_head`` (``head``: one GEMM
+  as wide as the vocabulary), the routed experts' grouped GEMM (``grouped``), attention cores
+  (``attention``), the gated delta rule (``recurrence``);
+- **communication**: each kind's bytes over the bandwidth of its group's links — InfiniBand when
+  the group spans nodes (:func:`.search.crossing_groups`, from the trainer's rank grids),
+  NVLink inside one — times the links' efficiency;
+- **overlap rules**: FSDP's (and the experts' FSDP) all-gathers and reduce-scatters run on
+  their own streams while the units compute: exposed are one unit's share (the first gather
+  and the last reduction have nothing to hide behind) and whatever exceeds the step's compute;
+  everything else waits on the compute stream and is exposed whole — EP's dispatch and combine
+  (the experts need the rows, the next layer the combined output), CP's K/V and vision
+  gathers, TP's collectives (unless async TP fuses them into the matmuls: hidden), PP's sends
+  (between two stages' compute), HSDP's all-reduce (after the last reduce-scatter, before the
+  optimizer);
+- **optimizer**: AdamW reads the fp32 weights, gradients and two moments of what trains and
+  writes the weights and moments back: ``3·G + 2·O`` bytes of its shards (:mod:`.memory`'s
+  gradients ``G`` and optimizer state ``O``) over the HBM bandwidth.
+
+Per rank and micro-batch, ``b_r`` = (compute + exposed per-micro-batch communication) / ``m``.
+The step (``m`` micro-batches; under PP ``v`` stages per rank, ``z`` = 3 for zero bubble, else
+1): ``m · max_r b_r + (Σ_r b_r − max_r b_r) / (v · z)`` over the pipeline ranks — the bottleneck
+rank's micro-batches and the others' fill and drain: with equal ranks this is ``(m + (pp −
+1) / (v z)) · b``, the bubble of :func:`.stages.bubble_fraction`; without PP ``m · b``. Then
+the slowest rank's exposed FSDP / HSDP traffic and optimizer step.
+
+Model FLOPs (TFLOP/s/GPU, MFU) follow the ``mfu`` convention: three forwards of the model per
+token (:func:`.work.step_model_flops`); tokens/s/GPU: the step's tokens over its time and GPUs.
+The efficiencies are calibrated on ONE published run (``docs/scaling.md``, :mod:`.published`);
+``--efficiency NAME=VALUE`` changes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from qwen35_trainer.plan.hardware import Hardware
+from qwen35_trainer.plan.traffic import PER_MICROBATCH
+
+if TYPE_CHECKING:
+    from qwen35_trainer.plan.planner import Plan
+
+__all__ = ["CALIBRATION", "OP_CLASS", "RATIOS", "SCALE", "Efficiency", "StepTime", "step_time"]
+
+OP_CLASS = {
+    "attention": "matmul",
+    "attention_core": "attention",
+    "gdn": "matmul",
+    "gdn_core": "recurrence",
+    "shared_expert": "matmul",
+    "experts": "grouped",
+    "mtp": "matmul",
+    "loss": "head",
+    "vision": "matmul",
+    "vision_core": "attention",
+}
+# the decoder projections' efficiency, fit so that the calibration run's predicted step time
+# equals the published one (:func:`qwen35_trainer.plan.published.calibrate`)
+SCALE = 0.144
+# the compute classes' efficiencies relative to ``matmul`` (:class:`Efficiency`)
+RATIOS = {"matmul": 1.0, "head": 1.6, "grouped": 0.55, "attention": 0.6, "recurrence": 0.2}
+CALIBRATION = "Megatron-Bridge SFT"  # a run of :data:`qwen35_trainer.plan.published.RUNS`
+
+FSDP_KINDS = (
+    "fsdp_all_gather",
+    "fsdp_reduce_scatter",
+    "expert_fsdp_all_gather",
+    "expert_fsdp_reduce_scatter",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """Achieved over peak, per op class and link (module docstring). The compute classes keep
+    stated ratios of the kernels' typical throughputs on Hopper relative to the decoder's
+    projections (GEMMs of width 2,048–8,192): the vocabulary-wide ``lm_head`` GEMM 1.6, grouped
+    GEMM over hundreds of narrow experts 0.55, flash attention 0.6, the chunked gated delta rule
+    0.2; their common scale (``matmul``) is fit to ONE published run, :data:`CALIBRATION`
+    (``docs/scaling.md``). The links and HBM are the share of the datasheet figure NCCL's and
+    STREAM-like copies usually reach (stated, not fit)."""
+
+    matmul: float = RATIOS["matmul"] * SCALE
+    head: float = RATIOS["head"] * SCALE
+    grouped: float = RATIOS["grouped"] * SCALE
+    attention: float = RATIOS["attention"] * SCALE
+    recurrence: float = RATIOS["recurrence"] * SCALE
+    nvlink: float = 0.75
+    ib: float = 0.85
+    hbm: float = 0.8
+
+    @classmethod
+    def at(cls, scale: float) -> Efficiency:
+        """The compute classes at ``scale`` times their ratios (the links and HBM as stated)."""
+        return cls(**{name: ratio * scale for name, ratio in RATIOS.items()})
+
+    @classmethod
+    def parse(cls, items: list[str]) -> Efficiency:
+        """``NAME=VALUE`` items over the defaults; ``ValueError`` naming a bad one."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        values = {}
+        for item in items:
+            name, _, raw = item.partition("=")
+            try:
+                value = float(raw)
+            except ValueError:
+                value = -1.0
+            if name not in names or not 0 < value <= 1:
+                raise ValueError(
+                    f"--efficiency {item!r}: expected NAME=VALUE with NAME one of {names} and "
+                    "0 < VALUE <= 1"
+                )
+            values[name] = value
+        return dataclasses.replace(cls(), **values)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """One step of a plan on a GPU (module docstring); times in seconds, of the rank that
+    decides each (the pipeline's bottleneck, the slowest step-level terms)."""
+
+    gpu: Hardware
+    seconds: float
+    compute: float  # the bottleneck rank's compute over the step
+    exposed: dict[str, float]  # exposed communication per kind (each kind's slowest rank)
+    pipeline_idle: float  # the bottleneck rank's share of fill and drain (0 without PP)
+    optimizer: float
+    tokens: int
+    model_flops: float
+    world: int
+
+    @property
+    def tokens_per_gpu(self) -> float:
+        return self.tokens / self.seconds / self.world
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.seconds / self.world / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu / self.gpu.bf16_tflops
+
+
+def _exposed(seconds: dict[str, float], compute: float, units: int, async_tp: bool):
+    """Each kind's exposed seconds under the overlap rules (module docstring)."""
+    fsdp = sum(seconds.get(k, 0.0) for k in FSDP_KINDS)
+    hidden_fsdp = 1.0
+    if fsdp > 0:
+        hidden_fsdp = (fsdp / units + max(fsdp - compute, 0.0)) / fsdp
+    exposed = {}
+    for kind, s in seconds.items():
+        if kind in FSDP_KINDS:
+            exposed[kind] = s * min(hidden_fsdp, 1.0)
+        elif kind == "tp" and async_tp:
+            exposed[kind] = 0.0
+        else:
+            exposed[kind] = s
+    return exposed
+
+
+def step_time(
+    plan: Plan, gpu: Hardware, efficiency: Efficiency | None = None, node_gpus: int = 8
+) -> StepTime:
+    """The :class:`StepTime` of ``plan`` on ``gpu`` with ``node_gpus`` GPUs per node."""
+    from qwen35_trainer.plan.search import crossing_groups
+
+    eff = efficiency or Efficiency()
+    step = plan.step
+    if step is None or not plan.work:
+        raise ValueError("the plan carries no per-rank work to time (plan it with plan())")
+    crossing = crossing_groups(step.dims, node_gpus)
+    m = step.microbatches
+    per_micro, fixed, compute, exposed = {}, {}, {}, {}
+    for rank, work in plan.work.items():
+        compute[rank] = m * sum(
+            flops / (gpu.peak_flops * getattr(eff, OP_CLASS[kind]))
+            for kind, flops in work.executed().items()
+        )
+        seconds = {
+            kind: n
+            / (1e9 * (gpu.ib_gbps * eff.ib if kind in crossing else gpu.nvlink_gbps * eff.nvlink))
+            for kind, n in plan.rank_traffic.get(rank, {}).items()
+        }
+        exposed[rank] = _exposed(seconds, compute[rank], work.units, step.async_tp)
+        mem = plan.ranks[rank]
+        optimizer = (3 * mem.gradients + 2 * mem.optimizer) / (gpu.hbm_tbps * 1e12 * eff.hbm)
+        per_micro[rank] = (
+            compute[rank] + sum(exposed[rank].get(k, 0.0) for k in PER_MICROBATCH)
+        ) / m
+        step_level = sum(s for k, s in exposed[rank].items() if k not in PER_MICROBATCH)
+        fixed[rank] = (step_level + optimizer, optimizer)
+    pp = plan.layout.get("pp", 1)
+    per_stage = {}  # the slowest planned rank of each pipeline rank
+    for rank, b in per_micro.items():
+        key = rank * pp // plan.world
+        per_stage[key] = max(per_stage.get(key, 0.0), b)
+    bottleneck = max(per_micro, key=per_micro.get)
+    slowest = max(per_stage.values())
+    z = 3 if step.schedule == "interleaved_zb" else 1
+    idle = (sum(per_stage.values()) - slowest) / (step.virtual * z) if pp > 1 else 0.0
+    last = max(fixed, key=lambda r: fixed[r][0])
+    kinds = {k for e in exposed.values() for k in e}
+    return StepTime(
+        gpu,
+        m * slowest + idle + fixed[last][0],
+        compute[bottleneck],
+        {k: max(e.get(k, 0.0) for e in exposed.values()) for k in sorted(kinds)},
+        idle,
+        fixed[last][1],
+        step.tokens,
+        step.model_flops,
+        plan.world,
+    )
