@@ -1,6 +1,8 @@
 """Sessions: ``tests`` (one per package, each in its own environment), ``lint``, ``bench``,
-``gpu`` (everything that needs a CUDA GPU, as one unattended run) and ``wheelhouse`` (the wheels
-that let ``tools/gpu_checks.py`` run the same GPU checks on a machine without a package index).
+``gpu`` (everything that needs a CUDA GPU, as one unattended run), ``gpu_install`` (the GPU
+install a user types, from wheels alone, checked on any Linux x86-64 machine) and ``wheelhouse``
+(the wheels that let ``tools/gpu_checks.py`` run the same GPU checks on a machine without a
+package index).
 
 Each ``tests`` environment is built with ``uv sync --package <name> --group test`` from the
 committed lock, so it holds ONLY that package, its own dependencies and its test group: a
@@ -10,9 +12,13 @@ package that forgets to declare a dependency fails here, not on a user's machine
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -21,7 +27,12 @@ import nox
 sys.path.insert(0, str(Path(__file__).parent / "tools"))
 from gpu_checks import (
     GPU_BENCHMARKS,
+    GPU_EXTRA,
+    GPU_INSTALL,
     GPU_SMOKE,
+    OPT_IN_EXTRAS,
+    defined_extras,
+    extra_args,
     members,
     suite_env,
     wheelhouse_requirements,
@@ -117,25 +128,29 @@ def bench(session: nox.Session) -> None:
             session.run("python", str(script), *session.posargs, env=suite_env())
 
 
-def _has_extra(path: Path, extra: str) -> bool:
-    with open(path / "pyproject.toml", "rb") as f:
-        return extra in tomllib.load(f).get("project", {}).get("optional-dependencies", {})
+def _opt_in(session: nox.Session, prog: str) -> list[str]:
+    """The opt-in kernel extras named by ``-- --with-extra NAME ...`` (:data:`OPT_IN_EXTRAS`)."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--with-extra", nargs="+", default=[], choices=list(OPT_IN_EXTRAS))
+    return parser.parse_args(session.posargs).with_extra
 
 
 @nox.session
 def gpu(session: nox.Session) -> None:
     """Every GPU check as one unattended run (what runs: ``tools/gpu_checks.py``): each
     member's ``@pytest.mark.gpu`` tests in an environment uv builds with the member's ``gpu``
-    extra (flash-attn and TransformerEngine's torch bindings compile where no wheel matches
-    the torch build, so a first run takes long), the GPU benchmarks, the bf16 smoke run of the
-    tiny recipe. Refuses to start without CUDA, so it never reports skipped GPU tests as a
-    pass. Without a package index: ``nox -s wheelhouse`` where there is one, then
-    ``python3 tools/gpu_checks.py --wheelhouse DIR`` on the GPU machine."""
+    extra (wheels only) and the opt-in kernel extras of ``-- --with-extra flash-attn te``
+    (source builds where no wheel matches the torch build: README "On GPUs"), the GPU
+    benchmarks, the bf16 smoke run of the tiny recipe. Refuses to start without CUDA, so it
+    never reports skipped GPU tests as a pass. Without a package index: ``nox -s wheelhouse``
+    where there is one, then ``python3 tools/gpu_checks.py --wheelhouse DIR`` on the GPU
+    machine."""
+    opt_in = _opt_in(session, "nox -s gpu --")
     if shutil.which("nvidia-smi") is None:
         session.error("nox -s gpu needs a CUDA GPU: nvidia-smi is not on PATH")
     env = {**suite_env(), "OMP_NUM_THREADS": "4"}
     for package, path in MEMBERS.items():
-        _sync(session, package, *(("--extra", "gpu") if _has_extra(path, "gpu") else ()))
+        _sync(session, package, *extra_args(defined_extras(path), opt_in))
         session.chdir(path)
         # exit code 5: the package has no GPU test
         session.run("pytest", "tests", "-m", "gpu", "-q", "-rs", env=env, success_codes=[0, 5])
@@ -144,9 +159,63 @@ def gpu(session: nox.Session) -> None:
         _sync(session, package, *(("--group", "bench") if _has_group(path, "bench") else ()))
         session.chdir(path)
         session.run("python", script, *args, env=env)
-    _sync(session, "qwen35-trainer", "--extra", "gpu")
+    trainer = MEMBERS["qwen35-trainer"]
+    _sync(session, "qwen35-trainer", *extra_args(defined_extras(trainer), opt_in))
     session.chdir(ROOT)
     session.run("python", "-c", GPU_SMOKE, env=env)
+
+
+# What gpu_install imports in the environment it builds, and the kernel report it prints there.
+_GPU_INSTALL_CHECK = """
+import importlib, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+from qwen35_trainer import load_recipe
+from qwen35_trainer.model.kernels import resolve_kernels
+for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+    kernels = resolve_kernels(load_recipe("tiny", [f"train.dtype={dtype}"]), device)
+    print(f"{device} ({dtype}): {kernels.line()}")
+    for warning in kernels.fallbacks:
+        print("   WARNING", warning)
+    assert device == "cpu" or not kernels.fallbacks, "the gpu extras leave a slow path on CUDA"
+"""
+
+
+@nox.session(venv_backend="none")
+def gpu_install(session: nox.Session) -> None:
+    """The GPU install a user types, ``uv sync --frozen --all-packages --extra gpu``, checked on
+    this machine (no GPU needed) with ``--no-build``: uv installs every package from a wheel and
+    builds only the workspace members, into a fresh environment in a temporary folder (never
+    the CPU test environment: with fla + triton there transformers' Qwen3.5 fails on CPU).
+    Then every member and the gpu extras' kernel packages are imported there, and the kernel
+    report that install gives on CUDA in bf16 must have no slow path (a CPU machine resolves
+    it without running it). uv's cache makes a repeat take seconds."""
+    with tempfile.TemporaryDirectory(prefix="gpu-install-") as folder:
+        start = time.monotonic()
+        done = subprocess.run(
+            ["uv", "sync", *GPU_INSTALL, "--no-build"],
+            cwd=ROOT, env={**os.environ, "UV_PROJECT_ENVIRONMENT": folder},
+            capture_output=True, text=True,
+        )  # fmt: skip
+        output = done.stdout + done.stderr
+        session.log(
+            f"uv sync {' '.join(GPU_INSTALL)} --no-build ({time.monotonic() - start:.1f} s):"
+        )
+        print(output, flush=True)
+        if done.returncode:
+            session.error(
+                "uv sync --no-build failed (above): the gpu extras must install from wheels alone"
+            )
+        built = set(re.findall(r"Building (\S+) @ ", output))
+        if not built <= set(MEMBERS):
+            session.error(
+                f"uv built {sorted(built - set(MEMBERS))}, which are not workspace members"
+            )
+        modules = [name.replace("-", "_") for name in MEMBERS] + ["fla", "megatron_fsdp"]
+        session.run(
+            f"{folder}/bin/python", "-c", _GPU_INSTALL_CHECK, *modules,
+            env={"PYTHONWARNINGS": "ignore"}, external=True,
+        )  # fmt: skip
 
 
 # The target of a wheelhouse by default: a Linux x86-64 CPython (manylinux wheels).
@@ -158,17 +227,23 @@ WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_
 def wheelhouse(session: nox.Session) -> None:
     """Wheels for ``tools/gpu_checks.py`` on a CUDA machine without a package index, made where
     the index is: ``nox -s wheelhouse -- DIR [--python 3.12] [--have FILE] [--without NAME
-    ...]``. DIR gets every workspace member's wheel and the lock's pins (every member with its
-    extras and test group, then chunked-loss's benchmark peers) as wheels for that Python on
+    ...] [--with-extra flash-attn te]``. DIR gets every workspace member's wheel and the lock's
+    pins (every member with its ``gpu`` extra and test group, plus the opt-in kernel extras
+    ``--with-extra`` names, then chunked-loss's benchmark peers) as wheels for that Python on
     Linux x86-64, except the target's own torch build (torch, torchvision, torchaudio, triton,
     the CUDA libraries), what ``--have`` lists (a ``pip freeze`` or ``pip list`` of the target,
     one name per line) and what ``--without`` names. A pin with no wheel for the target (an
-    sdist-only kernel package) is named at the end, with the size of DIR."""
+    opt-in kernel package that only has a source distribution) is named at the end, with the
+    size of DIR."""
     parser = argparse.ArgumentParser(prog="nox -s wheelhouse --")
     parser.add_argument("dir", type=Path)
     parser.add_argument("--python", default="3.12", help="the target's Python (default 3.12)")
     parser.add_argument("--have", type=Path, help="the target's installed distributions")
     parser.add_argument("--without", nargs="*", default=[], help="distributions to leave out")
+    parser.add_argument(
+        "--with-extra", nargs="+", default=[], choices=list(OPT_IN_EXTRAS),
+        help="opt-in kernel extras to carry too",
+    )  # fmt: skip
     args = parser.parse_args(session.posargs)
     have = set()
     if args.have is not None:
@@ -181,7 +256,8 @@ def wheelhouse(session: nox.Session) -> None:
     export = ("uv", "export", "--frozen", "--no-emit-workspace", "--no-hashes", "--no-header",
               "--no-annotate", "--no-default-groups")  # fmt: skip
     pins, left = {}, {}
-    for scope in (("--all-packages", "--all-extras", "--group", "test"),
+    extras = extra_args({GPU_EXTRA, *OPT_IN_EXTRAS}, args.with_extra)
+    for scope in (("--all-packages", *extras, "--group", "test"),
                   ("--package", "chunked-loss", "--group", "bench")):  # fmt: skip
         text = subprocess.run([*export, *scope], check=True, capture_output=True, text=True)
         kept, why = wheelhouse_requirements(text.stdout, args.python, have, set(args.without))

@@ -1,7 +1,8 @@
 """Every GPU check of the workspace as one unattended run, shared by two entry points.
 
 - ``uv run nox -s gpu``: on a CUDA machine with a package index; each member's checks run in an
-  environment uv builds from the lock with the member's ``gpu`` extra.
+  environment uv builds from the lock with the member's ``gpu`` extra (wheels only) and the
+  opt-in kernel extras asked for (``-- --with-extra te``, :data:`OPT_IN_EXTRAS`).
 - ``python3 tools/gpu_checks.py --wheelhouse DIR``: on a CUDA machine WITHOUT a package index
   (an air-gapped cluster node, a GPU box lent for a few minutes). The checks run in the
   interpreter that runs this script, on ITS torch build (the one matching the machine's
@@ -9,6 +10,12 @@
   reachable) installed for the run only: ``pip install --no-index --no-deps --target SITE``,
   with SITE put first on ``PYTHONPATH`` of every check. Nothing of the interpreter's own
   packages is changed.
+
+Both take the same extras (:func:`extra_args`): :data:`GPU_EXTRA` always, each of
+:data:`OPT_IN_EXTRAS` only when asked (a wheelhouse carries the opt-in kernels only when
+``nox -s wheelhouse`` is asked for them). :func:`wheel_gaps` names the pins of an install that
+``uv.lock`` holds no Linux x86-64 wheel of (``integration/tests/test_gpu_install.py`` keeps the
+``gpu`` extras at none; ``nox -s gpu_install`` installs them from wheels alone).
 
 The checks: every member's ``@pytest.mark.gpu`` tests (pytest's exit code 5, "no test
 selected", passes: the member has none), the GPU benchmarks, and a one-GPU bf16 smoke run of
@@ -18,7 +25,7 @@ machine lacks (a second GPU, a kernel package with no wheel) skip with their rea
 script's first lines say which kernel packages it found.
 
 Standard library only (the script runs before anything is installed); ``packaging`` is imported
-by :func:`wheelhouse_requirements` alone, which runs where the index is.
+by the functions that read ``uv export`` and ``uv.lock`` alone, which run where the index is.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
+import urllib.parse
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,13 +63,27 @@ assert logs[-1].loss < 0.8 * logs[0].loss, (logs[0].loss, logs[-1].loss)
 print("gpu smoke: tiny recipe in bf16 on one GPU, loss", logs[0].loss, "->", logs[-1].loss)
 """
 
-# The GPU kernel packages the members' gpu extras bring (import name: distribution).
-KERNEL_PACKAGES = {
-    "flash_attn": "flash-attn",
-    "fla": "flash-linear-attention",
-    "transformer_engine": "transformer-engine",
-    "megatron_fsdp": "megatron-fsdp",
+# The members' GPU install: every member's ``gpu`` extra installs from wheels alone (fla,
+# megatron-fsdp; attention, experts and AdamW run torch's own CUDA kernels). The opt-in kernel
+# extras build from source where no wheel matches the torch build (README "On GPUs").
+GPU_EXTRA = "gpu"
+OPT_IN_EXTRAS = {
+    "flash-attn": "flash-attn's varlen attention (cp-varlen-attn backend='flash')",
+    "te": "TransformerEngine's grouped GEMM (moe-parallel) and FusedAdam (safe-optim)",
 }
+# What a GPU user types (after ``uv sync``'s own): the CI check adds ``--no-build``
+GPU_INSTALL = ("--frozen", "--all-packages", "--extra", GPU_EXTRA)
+
+# The GPU kernel packages the extras bring (import name: distribution, opt-in extra or "").
+KERNEL_PACKAGES = {
+    "fla": ("flash-linear-attention", ""),
+    "megatron_fsdp": ("megatron-fsdp", ""),
+    "flash_attn": ("flash-attn", "flash-attn"),
+    "transformer_engine": ("transformer-engine", "te"),
+}
+
+# The Linux x86-64 CPython versions the GPU install is kept wheel-only for.
+WHEEL_PYTHONS = ("3.11", "3.12")
 
 # What a wheelhouse never carries: the target's own torch build, which matches its driver.
 TARGET_OWN = ("torch", "torchvision", "torchaudio", "triton")
@@ -93,19 +117,34 @@ def suite_env() -> dict[str, str | None]:
     }
 
 
+def extra_args(defined: Iterable[str], opt_in: Sequence[str] = ()) -> list[str]:
+    """``--extra`` arguments of a ``uv sync`` / ``uv export`` of a member (or the workspace)
+    whose ``defined`` extras are given: the ``gpu`` extra and each opt-in of ``opt_in`` it
+    defines. ``ValueError`` for an opt-in that is not one of :data:`OPT_IN_EXTRAS`."""
+    unknown = [e for e in opt_in if e not in OPT_IN_EXTRAS]
+    if unknown:
+        raise ValueError(
+            f"unknown opt-in extra(s) {unknown}; expected some of {list(OPT_IN_EXTRAS)}"
+        )
+    defined = set(defined)
+    return [arg for e in (GPU_EXTRA, *opt_in) if e in defined for arg in ("--extra", e)]
+
+
+def defined_extras(member: Path) -> set[str]:
+    """The optional-dependency extras the member at ``member`` defines."""
+    with open(member / "pyproject.toml", "rb") as f:
+        return set(tomllib.load(f).get("project", {}).get("optional-dependencies", {}))
+
+
 def canonical(name: str) -> str:
     """A distribution name as package indexes compare them (PEP 503)."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def wheelhouse_requirements(
-    exported: str, python_version: str, have: set[str], without: set[str]
-) -> tuple[list[str], dict[str, str]]:
-    """(the ``name==version`` pins to download, {name: why it is left out}) from ``exported``,
-    the text of ``uv export`` (pins with environment markers), for a Linux x86-64 CPython
-    ``python_version`` target. Left out: the target's own torch build (:data:`TARGET_OWN`, the
-    CUDA libraries), what the target already has (``have``) and what the caller leaves out
-    (``without``); a pin whose marker excludes the target is not a requirement there at all."""
+def target_pins(exported: str, python_version: str) -> list[str]:
+    """The ``name==version`` pins of ``exported`` (the text of ``uv export``: pins with
+    environment markers) that a Linux x86-64 CPython ``python_version`` installs: a pin whose
+    marker excludes that target is no requirement there at all."""
     from packaging.markers import Marker
 
     major_minor = ".".join(python_version.split(".")[:2])
@@ -122,9 +161,7 @@ def wheelhouse_requirements(
         "platform_python_implementation": "CPython",
         "extra": "",
     }
-    have = {canonical(n) for n in have}
-    without = {canonical(n) for n in without}
-    pins, left = [], {}
+    pins = []
     for line in exported.splitlines():
         line = line.split("#", 1)[0].strip()
         if not line or line.startswith(("-", "\\")):
@@ -132,8 +169,23 @@ def wheelhouse_requirements(
         pin, _, marker = (part.strip() for part in line.partition(";"))
         if "==" not in pin:
             raise ValueError(f"uv export gave {line!r}; expected name==version [; marker]")
-        if marker and not Marker(marker).evaluate(env):
-            continue
+        if not marker or Marker(marker).evaluate(env):
+            pins.append(pin)
+    return pins
+
+
+def wheelhouse_requirements(
+    exported: str, python_version: str, have: set[str], without: set[str]
+) -> tuple[list[str], dict[str, str]]:
+    """(the ``name==version`` pins to download, {name: why it is left out}) from ``exported``,
+    the text of ``uv export``, for a Linux x86-64 CPython ``python_version`` target
+    (:func:`target_pins`). Left out: the target's own torch build (:data:`TARGET_OWN`, the CUDA
+    libraries), what the target already has (``have``) and what the caller leaves out
+    (``without``)."""
+    have = {canonical(n) for n in have}
+    without = {canonical(n) for n in without}
+    pins, left = [], {}
+    for pin in target_pins(exported, python_version):
         name = canonical(pin.split("==", 1)[0].split("[", 1)[0])
         if name in TARGET_OWN or name.startswith(TARGET_OWN_PREFIXES):
             left[name] = "the target's own torch build"
@@ -144,6 +196,49 @@ def wheelhouse_requirements(
         else:
             pins.append(pin)
     return pins, left
+
+
+def wheel_gaps(lock_text: str, pins: Iterable[str], python_version: str) -> dict[str, str]:
+    """``{pin: why}`` for each ``name==version`` of ``pins`` that ``uv.lock`` (its text) holds
+    no wheel of for a Linux x86-64 CPython ``python_version`` (a manylinux / linux x86_64 or
+    ``any`` wheel whose tag takes that interpreter): what an install of those pins would have
+    to build from source. ``ValueError`` for a pin the lock does not hold."""
+    wheels = {
+        (canonical(p["name"]), p["version"]): [
+            urllib.parse.unquote(w["url"].rsplit("/", 1)[-1]) for w in p.get("wheels", [])
+        ]
+        for p in tomllib.loads(lock_text)["package"]
+        if "version" in p
+    }
+    gaps = {}
+    for pin in pins:
+        name, version = pin.split("==", 1)
+        files = wheels.get((canonical(name.split("[", 1)[0]), version))
+        if files is None:
+            raise ValueError(f"{pin} is not in uv.lock (is the export from the same lock?)")
+        if not files:
+            gaps[pin] = "a source distribution only"
+        elif not any(_fits(f, python_version) for f in files):
+            gaps[pin] = f"no wheel for CPython {python_version} on Linux x86-64 among {len(files)}"
+    return gaps
+
+
+def _fits(wheel: str, python_version: str) -> bool:
+    from packaging.utils import parse_wheel_filename
+
+    minor = int(python_version.split(".")[1])
+    cp = f"cp3{minor}"
+    for tag in parse_wheel_filename(wheel)[3]:
+        linux = tag.platform == "any" or (
+            tag.platform.startswith(("manylinux", "linux_")) and tag.platform.endswith("_x86_64")
+        )
+        stable_abi = tag.abi == "abi3" and tag.interpreter[:3] == "cp3"
+        interpreter = tag.interpreter in (cp, "py3", f"py3{minor}") or (
+            stable_abi and int(tag.interpreter[3:]) <= minor
+        )
+        if linux and interpreter and tag.abi in ("none", "abi3", cp):
+            return True
+    return False
 
 
 def _install(wheelhouse: Path, site: Path) -> None:
@@ -244,7 +339,8 @@ _FIND_KERNELS = f"""
 import importlib.util
 names = {KERNEL_PACKAGES!r}
 print(", ".join(f"{{dist}} {{'found' if importlib.util.find_spec(mod) else 'ABSENT'}}"
-                for mod, dist in names.items()))
+                + (f" (opt-in extra {{extra}})" if extra else "")
+                for mod, (dist, extra) in names.items()))
 """
 
 if __name__ == "__main__":

@@ -55,24 +55,43 @@ def test_a_wheelhouse_takes_the_targets_pins_and_leaves_out_what_it_has():
     assert pins == ["av==18.1.0", "Flash_Linear.Attention==0.6.0", "pandas==3.1.1", "wandb==0.31.0"]
 
 
-def test_the_locks_export_gives_the_gpu_extras_without_torch():
-    """The real ``uv export`` of the lock, as ``nox -s wheelhouse`` reads it: the GPU kernel
-    packages of the members' extras are pinned, torch and its CUDA libraries are not."""
+def _wheelhouse_names(*opt_in: str) -> tuple[set[str], dict[str, str]]:
+    """The real ``uv export`` of the lock as ``nox -s wheelhouse [--with-extra ...]`` makes it."""
+    checks = _gpu_checks()
+    extras = checks.extra_args({checks.GPU_EXTRA, *checks.OPT_IN_EXTRAS}, opt_in)
     uv = shutil.which("uv")
     command = [uv] if uv else [sys.executable, "-m", "uv"]
     done = subprocess.run(
         [*command, "export", "--frozen", "--no-emit-workspace", "--no-hashes", "--no-header",
-         "--no-annotate", "--no-default-groups", "--all-packages", "--all-extras", "--group",
-         "test"],
+         "--no-annotate", "--no-default-groups", "--all-packages", *extras, "--group", "test"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    pins, left = _gpu_checks().wheelhouse_requirements(done.stdout, "3.12", set(), set())
-    names = {pin.split("==")[0] for pin in pins}
+    pins, left = checks.wheelhouse_requirements(done.stdout, "3.12", set(), set())
+    return {pin.split("==")[0] for pin in pins}, left
+
+
+def test_the_locks_export_gives_the_gpu_extras_without_torch():
+    """As ``nox -s wheelhouse`` reads it: the gpu extras' kernel packages are pinned, torch and
+    its CUDA libraries are not, and the opt-in kernels only when asked for."""
+    names, left = _wheelhouse_names()
     assert {"flash-linear-attention", "fla-core", "megatron-fsdp", "datasets"} <= names
-    assert not names & {"torch", "torchvision", "triton"}
+    assert not names & {"torch", "torchvision", "triton", "flash-attn", "transformer-engine"}
     assert not any(n.startswith("nvidia-") for n in names)
     assert left["torch"] == "the target's own torch build"
+    names, _ = _wheelhouse_names("te")
+    assert "transformer-engine-torch" in names and "flash-attn" not in names
+
+
+def test_the_gpu_runs_take_the_gpu_extra_and_the_opt_ins_asked_for():
+    extra_args = _gpu_checks().extra_args
+    assert extra_args({"gpu", "flash-attn"}) == ["--extra", "gpu"]
+    assert extra_args({"gpu", "flash-attn"}, ["flash-attn", "te"]) == [
+        "--extra", "gpu", "--extra", "flash-attn",
+    ]  # fmt: skip
+    assert extra_args({"te"}, ["te"]) == ["--extra", "te"]
+    with pytest.raises(ValueError, match=r"unknown opt-in extra\(s\) \['gpu-all'\]"):
+        extra_args({"gpu"}, ["gpu-all"])
 
 
 @pytest.mark.skipif(
