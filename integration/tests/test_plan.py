@@ -296,12 +296,14 @@ def test_predicted_saved_activations_are_within_20_percent(layout, world, reques
 
 def test_the_sizes_table_sets_out_each_recipe(monkeypatch, capsys):
     """``qwen35-train plan --sizes``: one row per public size, a cell per way to fine-tune with
-    the recipe's GPUs, layout, rows and predicted peak (each recipe's numbers are pinned
-    above; a stand-in planner here)."""
+    the recipe's GPUs, layout, rows, predicted peak and tokens/s/GPU on the H100 (each recipe's
+    numbers are pinned above; a stand-in planner and timer here)."""
+    import types
+
     from qwen35_trainer.plan import sizes
     from qwen35_trainer.plan.planner import Plan
 
-    planned = []
+    planned, timed = [], []
 
     def stand_in(recipe, *, name):
         planned.append(name)
@@ -309,13 +311,27 @@ def test_the_sizes_table_sets_out_each_recipe(monkeypatch, capsys):
         layout = {k: getattr(p, k) for k in ("dp_replicate", "dp", "cp", "tp", "ep")}
         return Plan(name, p.world, layout, 0, 0, {}, {}, 80.0)
 
+    def timer(plan, gpu):
+        timed.append(gpu.name)
+        return types.SimpleNamespace(tokens_per_gpu=1000.0 * plan.world)
+
     # a peak read off the name's length, so each cell shows its own recipe's plan
     monkeypatch.setattr(Plan, "peak_gib", property(lambda self: float(len(self.recipe_name))))
     monkeypatch.setattr(sizes, "plan", stand_in)
+    monkeypatch.setattr(sizes, "step_time", timer)
     assert main(["plan", "--sizes"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0] == "| model | full fine-tuning | LoRA, bf16 base | LoRA, FP8 base |"
     assert planned == [n for names in sizes.SIZES.values() for n in names]
-    assert table[2].startswith("| Qwen3.5-35B-A3B | 16 GPUs, DP 2 × CP 8 × EP 8, 64K rows: 15.0")
-    assert "| 1 GPU, 28K rows: 24.0 GiB (`qwen3_5_35b_a3b_lora_fp8`) |" in table[2]
-    assert "8 GPUs, CP 8 × EP 8, 16K rows: 26.0 GiB (`qwen3_5_397b_a17b_lora_fp8`)" in table[4]
+    assert timed == ["H100 SXM"] * len(planned)
+    assert table[2].startswith(
+        "| Qwen3.5-35B-A3B | 16 GPUs, DP 2 × CP 8 × EP 8, 64K rows: 15.0 GiB, 16,000 tokens/s/GPU"
+    )
+    assert (
+        "| 1 GPU, 28K rows: 24.0 GiB, 1,000 tokens/s/GPU (`qwen3_5_35b_a3b_lora_fp8`) |"
+        in (table[2])
+    )
+    assert (
+        "8 GPUs, CP 8 × EP 8, 16K rows: 26.0 GiB, 8,000 tokens/s/GPU (`qwen3_5_397b_a17b_lora_fp8`)"
+        in table[4]
+    )

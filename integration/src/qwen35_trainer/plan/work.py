@@ -16,8 +16,8 @@ model over one micro-batch's row — its decoder layers; the vision tower on the
   :mod:`.timing`).
 
 Documents: the synthetic stream's rows hold samples of its mean length (attention pairs are
-per document); a dataset's documents are not known before its rows are packed, so a row is
-planned as one document (the most pairs). Images: the micro-batch's samples, each with
+per document); a dataset's documents are not known before its rows are packed, so each packed
+row of ``pack_length`` is planned as one document (the most pairs). Images: the micro-batch's samples, each with
 ``images_per_sample`` of the largest grid (the planner's memory rows, :func:`.planner.row_shape`).
 
 Passes, in forward-equivalents per micro-batch (:data:`PASSES`): 1 forward; +1 recompute for
@@ -60,6 +60,9 @@ class Work:
 def row_documents(recipe, row: int) -> list[int]:
     """Document lengths of one packed row of ``row`` tokens (module docstring)."""
     data = recipe.data
+    if data.dataset and data.pack_length and row > data.pack_length:
+        rows, rest = divmod(row, data.pack_length)
+        return [data.pack_length] * rows + ([rest] if rest else [])
     if data.dataset or not data.packing:
         return [row]
     merge = recipe.model.vision.get("spatial_merge_size", 2) ** 2
