@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from reference import cu_from_lengths, per_document_attention
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cp_varlen_attn.attention as attention
 import cp_varlen_attn.torch_varlen as torch_varlen
@@ -218,8 +219,8 @@ def test_a_named_varlen_backend_that_cannot_run_is_one_clear_error():
 
 
 def _pieces_of(lengths, cp, rank, causal):
-    """One rank's (queries' local rows, pieces) of a CP layout, its keys read from the whole
-    sequence (row_of = position): the backend's inputs without a process group."""
+    """(the CP layout, one rank's pieces) with the keys read from the whole sequence (row_of =
+    position): the backend's inputs without a process group."""
     layout = plan_cp_layout(cu_from_lengths(lengths), cp, strategy="zigzag")
     return layout, attention._piece_keys(layout, rank, torch.arange(layout.seq_len), causal)
 
@@ -239,8 +240,9 @@ def _run(kernel, q, k, v, w, pieces, causal):
 def test_the_real_kernel_matches_the_sdpa_path_in_bf16_and_fp32(causal, hq, hkv, d, rank):
     """The pieces of rank ``rank`` of a CP 4 zigzag layout (pieces that start mid-document, so
     the bottom-right causal alignment is exercised) through torch's varlen_attn in bf16,
-    against the SDPA path on the same bf16 inputs and on their fp32 upcast, forward and
-    backward."""
+    forward and backward, against the SDPA path in fp32 on the same (upcast) inputs: its error
+    is at most twice the bf16 SDPA path's own plus bf16 rounding."""
+    torch.manual_seed(0)
     lengths = [37, 5, 300, 1, 129]
     layout, pieces = _pieces_of(lengths, 4, rank, causal)
     pieces = [(a, n, s, rows.cuda()) for a, n, s, rows in pieces]
@@ -249,11 +251,15 @@ def test_the_real_kernel_matches_the_sdpa_path_in_bf16_and_fp32(causal, hq, hkv,
     w = torch.randn(q.shape[0], hq, d, device="cuda")
     half = [x.to(torch.bfloat16) for x in (q, k, v)]
     got = _run(torch_varlen.torch_varlen_pieces, *half, w, pieces, causal)
-    sdpa_bf16 = _run(attention._torch_pieces, *half, w, pieces, causal)
+    with sdpa_kernel(SDPBackend.MATH):  # plain bf16 attention, as flash-attn's own tests take
+        sdpa_bf16 = _run(attention._torch_pieces, *half, w, pieces, causal)
     sdpa_fp32 = _run(attention._torch_pieces, *(x.float() for x in half), w, pieces, causal)
     for label, g, b, f in zip(("out", "dq", "dk", "dv"), got, sdpa_bf16, sdpa_fp32, strict=True):
-        torch.testing.assert_close(g, f, rtol=2e-2, atol=2e-2, msg=f"{label} vs fp32 SDPA")
-        torch.testing.assert_close(g, b, rtol=2e-2, atol=2e-2, msg=f"{label} vs bf16 SDPA")
+        # the kernel's bf16 error (against fp32) within twice the bf16 SDPA path's own error,
+        # plus bf16's rounding of the result (a misaligned mask is off by the values' scale)
+        kernel_err, sdpa_err = (g - f).abs().max().item(), (b - f).abs().max().item()
+        rounding = 1e-2 * f.abs().max().item()
+        assert kernel_err <= 2 * sdpa_err + rounding, (label, kernel_err, sdpa_err, rounding)
 
 
 @pytest.mark.gpu
