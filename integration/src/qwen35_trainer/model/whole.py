@@ -55,40 +55,46 @@ class Elsewhere(nn.Module):
 
 class WholeParameter(NamedTuple):
     """A parameter of the whole model: its canonical name, module, attribute, the parameter
-    (meta when another stage holds it) and whether this rank holds it (``here``)."""
+    (meta when another stage holds it), and who holds it: ``holder`` is ``None`` when this rank
+    does (``here``), else the pipeline rank that does."""
 
     name: str
     module: nn.Module
     attr: str
     param: Any
-    here: bool
+    holder: int | None
+
+    @property
+    def here(self) -> bool:
+        return self.holder is None
 
 
-def whole_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
-    """``(canonical path, module, here)`` for every module of the whole model, in module order
-    (module docstring); an :class:`Elsewhere` itself is not listed, its held subtree is."""
+def whole_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, int | None]]:
+    """``(canonical path, module, holder)`` for every module of the whole model, in module
+    order (module docstring; ``holder``: as :class:`WholeParameter`'s); an :class:`Elsewhere`
+    itself is not listed, its held subtree is."""
     seen: set[int] = set()
 
-    def walk(module: nn.Module, path: str, here: bool):
+    def walk(module: nn.Module, path: str, holder: int | None):
         if id(module) in seen:
             return
         seen.add(id(module))
         if isinstance(module, Elsewhere):
-            yield from walk(module.held, path, False)
+            yield from walk(module.held, path, module.pp_rank)
             return
-        yield canonical_name(path), module, here
+        yield canonical_name(path), module, holder
         for name, child in module._modules.items():
             if child is not None:
-                yield from walk(child, f"{path}.{name}" if path else name, here)
+                yield from walk(child, f"{path}.{name}" if path else name, holder)
 
-    yield from walk(model, "", True)
+    yield from walk(model, "", None)
 
 
 def whole_parameters(model: nn.Module) -> list[WholeParameter]:
     """Every parameter of the whole model, in module order (module docstring)."""
     return [
-        WholeParameter(f"{path}.{attr}" if path else attr, module, attr, param, here)
-        for path, module, here in whole_modules(model)
+        WholeParameter(f"{path}.{attr}" if path else attr, module, attr, param, holder)
+        for path, module, holder in whole_modules(model)
         for attr, param in module._parameters.items()
         if param is not None
     ]

@@ -102,18 +102,8 @@ def pipeline_refusals(recipe: Any, text_config: Any | None) -> list[str]:
             "each micro-batch's hidden states in buffers of one fixed shape, so every "
             "micro-batch is one packed row padded to its capacity"
         )
-    if train.eval_every:
-        reasons.append(
-            "train.eval_every with parallel.pp > 1 is not built yet: evaluate the checkpoint "
-            "at parallel.pp=1 (train.eval_every: 0)"
-        )
     if train.compile:
         reasons.append("train.compile with parallel.pp > 1 is not built yet")
-    if train.export_dir:
-        reasons.append(
-            "train.export_dir with parallel.pp > 1 is not built yet: each rank holds its "
-            "stages only; export the checkpoint with `qwen35-train export` (one process)"
-        )
     if p.tp > 1 and not p.sp:
         reasons.append(
             "parallel.tp > 1 with parallel.pp > 1 runs with sequence parallelism (the stages "

@@ -35,6 +35,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -217,10 +218,16 @@ def _beside_weights(recipe: Recipe, out: Path) -> list[str]:
 
 
 def export_model(
-    model: nn.Module, recipe: Recipe, out: str | Path, options: ExportOptions
+    model: nn.Module,
+    recipe: Recipe,
+    out: str | Path,
+    options: ExportOptions,
+    pipeline_group: Any = None,
 ) -> list[str]:
-    """Write ``model`` (trained from ``recipe``) to ``out``; every rank calls it. Returns
-    notes on what was written (rank 0's)."""
+    """Write ``model`` (trained from ``recipe``) to ``out``; every rank calls it (under
+    pipeline parallelism each rank holding its stages, ``pipeline_group`` its pipeline group:
+    each stage's ranks write its tensors, :func:`~qwen35_trainer.model.weights.export.
+    export_hf`). Returns notes on what was written (rank 0's)."""
     out = Path(out)
     check_export_dir(out, options.overwrite)
     lora = recipe.model.lora
@@ -236,7 +243,14 @@ def export_model(
         base = options.base or recipe.train.export_base or recipe.model.base_as_written
         per_expert = fmt == "per_expert"
         write_adapter(
-            model, lora, out, full_tensor, per_expert=per_expert, base=base, writer=rank() == 0
+            model,
+            lora,
+            out,
+            full_tensor,
+            per_expert=per_expert,
+            base=base,
+            writer=rank() == 0,
+            pipeline=pipeline_group is not None,
         )
         notes.append(f"LoRA adapters ({fmt} layout, scales folded into B) for the base {base}")
         trained = getattr(model, "lora_trained", ())
@@ -251,7 +265,14 @@ def export_model(
     else:
         per_expert, dtype = _per_expert(recipe, options.experts), _dtype(recipe, options.dtype)
         fp8 = _fp8_export(recipe) if options.dtype == "fp8" else None
-        export_hf(model, out, per_expert=per_expert, dtype=dtype, fp8=fp8)
+        export_hf(
+            model,
+            out,
+            per_expert=per_expert,
+            dtype=dtype,
+            fp8=fp8,
+            pipeline_group=pipeline_group,
+        )
         written = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
         if fp8 is not None:
             written = (

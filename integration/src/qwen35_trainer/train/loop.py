@@ -229,7 +229,9 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
             overwrite=training.export_overwrite,
             lora=training.export_format if recipe.model.lora is not None else None,
         )
-        for note in export_model(objective.model, recipe, training.export_dir, options):
+        pipeline = objective.pipeline.group if objective.pipeline is not None else None
+        exported = export_model(objective.model, recipe, training.export_dir, options, pipeline)
+        for note in exported:
             logger.info("export %s: %s", training.export_dir, note)
     return TrainResult(logs, objective, optimizer)
 

@@ -100,10 +100,10 @@ def _last_stage_sums(last, depth: int, device: torch.device):
     zeros on the other stages."""
     ce = aux = torch.zeros((), device=device)
     mtp = torch.zeros(depth, device=device)
-    for c, a, m in last.shares if last is not None else ():
-        ce, aux = ce + c, aux + a
-        if m is not None:
-            mtp = mtp + m
+    for shares in last.shares if last is not None else ():
+        ce, aux = ce + shares.ce, aux + shares.aux
+        if shares.mtp is not None:
+            mtp = mtp + shares.mtp
     return ce, aux, mtp
 
 

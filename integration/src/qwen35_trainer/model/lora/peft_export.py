@@ -31,12 +31,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe_parallel.moe import Experts
 from qwen35_trainer.model.lora.adapters import LoRALinear
 from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import canonical_name
+from qwen35_trainer.model.whole import held
 
 __all__ = ["LORA_FORMATS", "adapter_config", "adapter_tensors", "write_adapter"]
 
@@ -83,6 +85,8 @@ def adapter_tensors(model: nn.Module, full: Callable, *, per_expert: bool):
         elif isinstance(module, Experts) and module.lora_spec is not None:
             yield from _experts(name, module, full, per_expert)
     for name in saved_modules(model):
+        if not held(model, name):  # another pipeline stage's: its ranks gather it
+            continue
         for param_name, param in model.get_submodule(name).named_parameters():
             yield f"{PREFIX}{name}.{canonical_name(param_name)}", full(param)
 
@@ -136,15 +140,22 @@ def write_adapter(
     per_expert: bool,
     base: str | None,
     writer: bool,
+    pipeline: bool = False,
 ) -> None:
     """Write ``adapter_model.safetensors`` and ``adapter_config.json`` into ``out`` (only
-    where ``writer``; every rank gathers the adapters with ``full``)."""
+    where ``writer``, rank 0; every rank gathers the adapters with ``full``). Under pipeline
+    parallelism (``pipeline``) each rank gathers its stages' adapters and rank 0 collects every
+    rank's (one ``gather_object``: the adapters are small)."""
     from safetensors.torch import save_file
 
     tensors = {
         key: value.detach().to("cpu", torch.float32, copy=True).contiguous()
         for key, value in adapter_tensors(model, full, per_expert=per_expert)
     }
+    if pipeline:
+        parts = [None] * dist.get_world_size() if writer else None
+        dist.gather_object(tensors, parts, dst=0)
+        tensors = {k: v for part in parts or () for k, v in part.items()}
     if writer:
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

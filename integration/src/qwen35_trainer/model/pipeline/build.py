@@ -82,11 +82,23 @@ class Pipeline:
 
     def run(self, inputs: StepInputs) -> None:
         """Forward and backward of every micro-batch of ``inputs`` through the pipeline."""
+        index = self._start(inputs)
+        self.schedule.step(index, target=index, losses=[], return_outputs=False)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: StepInputs) -> None:
+        """The forward of every micro-batch of ``inputs`` through the pipeline, no backward
+        (torch's ``eval`` of the same schedule): the last stage's ``shares`` hold each
+        micro-batch's loss shares and, with ``inputs.accuracy``, its correct predictions."""
+        index = self._start(inputs)
+        self.schedule.eval(index, target=index, losses=[])
+
+    def _start(self, inputs: StepInputs) -> torch.Tensor:
+        """The stages given ``inputs``; the micro-batch indices the schedule splits."""
         for module in self.modules:
             module.inputs, module.shares, module.load = inputs, [], None
         device = inputs.micro[0][0].input_ids.device
-        index = torch.arange(len(inputs.micro), device=device).reshape(-1, 1)
-        self.schedule.step(index, target=index, losses=[], return_outputs=False)
+        return torch.arange(len(inputs.micro), device=device).reshape(-1, 1)
 
 
 def stage_layers(recipe: Any, config: Any) -> list[range]:

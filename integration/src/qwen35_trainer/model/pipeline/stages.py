@@ -50,9 +50,10 @@ from cp_varlen_attn.transformers import embed_packed_row
 from moe_parallel import balancing_loss_of, router_statistics, sdpa_preserving_context
 from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.data.batch import present_media
+from qwen35_trainer.model.accuracy import ACCURACY_CHUNK, count_correct
 from qwen35_trainer.model.build import moe_blocks
 from qwen35_trainer.model.mtp import mtp_shares
-from qwen35_trainer.model.objective import head_weights, valued_as_summed
+from qwen35_trainer.model.objective import LossShares, head_weights, valued_as_summed
 from qwen35_trainer.model.packed import dummy_vision, image_features
 from qwen35_trainer.model.whole import Elsewhere
 
@@ -87,14 +88,16 @@ def keep_stages(model: nn.Module, stage_layers: list[range], mine: list[int], pp
 @dataclasses.dataclass
 class StepInputs:
     """One step's micro-batches (``(batch, packed)`` each) and what the loss needs of the whole
-    step: the global valid-label count, each MTP depth's, the loss group and ``loss_of(ce,
-    aux, mtp)``, the weighted loss (:func:`qwen35_trainer.train.step.total_loss`)."""
+    step: the global valid-label count, each MTP depth's, the loss group, ``loss_of(ce,
+    aux, mtp)``, the weighted loss (:func:`qwen35_trainer.train.step.total_loss`), and whether
+    the last stage also counts correct predictions (the held-out evaluation)."""
 
     micro: list
     num_valid: int
     num_mtp: tuple[int, ...]
     loss_of: Callable[..., torch.Tensor]
     loss_group: Any = None
+    accuracy: bool = False  # the held-out evaluation: also count the labels predicted right
 
 
 class StageModule(nn.Module):
@@ -131,7 +134,7 @@ class StageModule(nn.Module):
         # them in the forward (chunked-loss's fused path refuses a second backward)
         self.backward_twice = backward_twice
         self.inputs: StepInputs | None = None
-        self.shares: list[tuple[torch.Tensor, ...]] = []  # the last stage's, per micro-batch
+        self.shares: list[LossShares] = []  # the last stage's, per micro-batch (detached)
         self.load: torch.Tensor | None = None  # [layers, E] tokens routed this step (fp32)
         # under sequence parallelism (set by build_pipeline from the objective's router): the
         # TP group whose ranks route one slice each of the tokens, and every rank routing
@@ -239,6 +242,10 @@ class StageModule(nn.Module):
             grad_in_forward=False if self.backward_twice else None,
         )
         aux = self._aux(prob_sum, counts, step.loss_group) / len(step.micro)
+        chunk = (self.loss_chunk_size or ACCURACY_CHUNK) if step.accuracy else None
+        correct = None
+        if step.accuracy:
+            correct = count_correct(hidden_BTH, head.weight, head.bias, labels_BT, chunk)
         mtp = None
         if embeds is not None:
             mtp = mtp_shares(
@@ -252,9 +259,19 @@ class StageModule(nn.Module):
                 step.num_mtp,
                 loss_group=step.loss_group,
                 chunk_size=self.loss_chunk_size,
-            ).ce
-        self.shares.append((ce.detach(), aux.detach(), None if mtp is None else mtp.detach()))
-        return step.loss_of(ce, aux, mtp)
+                accuracy_chunk=chunk,
+            )
+        self.shares.append(
+            LossShares(
+                ce.detach(),
+                aux.detach(),
+                step.num_valid,
+                correct,
+                None if mtp is None else mtp.ce.detach(),
+                None if mtp is None else mtp.correct,
+            )
+        )
+        return step.loss_of(ce, aux, None if mtp is None else mtp.ce)
 
 
 def _tower(vlm: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Write the (sharded) model as a transformers checkpoint directory without gathering it.
 
-Every rank computes the same plan from the parameters' names and full shapes alone: tensors
-are dealt in module order to the rank with the fewest bytes so far, and each rank's tensors
+Every rank computes the same plan from the WHOLE model's names and full shapes alone
+(:func:`~qwen35_trainer.model.whole.whole_parameters`): tensors are dealt in module order to
+the rank with the fewest bytes so far among those holding it — every rank, or under pipeline
+parallelism the ranks of the stage that holds it, which alone gather it — and each rank's tensors
 are cut into files of at most ``max_file_bytes``; the files are numbered
 ``model-00001-of-000NN.safetensors`` across all ranks. Then, tensor by tensor and in the same
 order on every rank, a sharded parameter is reassembled (:func:`fsdp_compat.full_tensor`,
@@ -32,6 +34,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,9 +44,9 @@ from fsdp_compat import full_tensor
 from moe_parallel import quantize
 from qwen35_trainer.model.fp8.hold import converted_form, dequantized
 from qwen35_trainer.model.lora.adapters import is_adapter, merged
-from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.weights.adapter import on_disk
 from qwen35_trainer.model.weights.stored import SCALE_SUFFIX
+from qwen35_trainer.model.whole import WholeParameter, whole_parameters
 
 __all__ = ["FP8Export", "export_hf", "export_plan"]
 
@@ -53,13 +56,18 @@ ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
 
 
 def export_plan(
-    entries: list[tuple[str, int]], world: int, max_file_bytes: int = MAX_FILE_BYTES
+    entries: list[tuple[str, int]],
+    world: int,
+    max_file_bytes: int = MAX_FILE_BYTES,
+    holders: list[list[int]] | None = None,
 ) -> list[tuple[int, int]]:
     """Per ``(name, bytes)`` entry: ``(owner rank, file number)``, file numbers counted from 1
-    over all ranks (rank 0's files first)."""
+    over all ranks (rank 0's files first); ``holders``: per entry, the ranks that may own it
+    (default: every rank)."""
     owners, load = [], [0] * world
-    for _, size in entries:
-        rank = min(range(world), key=lambda r: (load[r], r))
+    for i, (_, size) in enumerate(entries):
+        candidates = range(world) if holders is None else holders[i]
+        rank = min(candidates, key=lambda r: (load[r], r))
         owners.append(rank)
         load[rank] += size
     local_file, filled, files = [0] * len(entries), [0] * world, [0] * world
@@ -121,28 +129,34 @@ def export_hf(
     per_expert: bool = False,
     dtype: torch.dtype | None = None,
     fp8: FP8Export | None = None,
+    pipeline_group: Any = None,
 ) -> None:
     """Every rank calls this (module docstring); returns when the directory is complete.
     ``dtype``: the tensors' dtype on disk (default: the parameters'); ``fp8``: the converted
-    weights in FP8 instead (:class:`FP8Export`)."""
+    weights in FP8 instead (:class:`FP8Export`); ``pipeline_group``: under pipeline
+    parallelism, this rank's pipeline group (each tensor is then written by a rank of the stage
+    holding it)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     params = [
-        (name, module, attr, param)
-        for name, module, attr, param in named_parameters(model)
-        if not is_adapter(name) and not name.endswith(SCALE_SUFFIX)
+        p
+        for p in whole_parameters(model)
+        if not is_adapter(p.name) and not p.name.endswith(SCALE_SUFFIX)
     ]
-    dtype = dtype or next(p.dtype for *_, p in params if p.dtype != torch.float8_e4m3fn)
-    written = [_pieces(name, tuple(p.shape), dtype, per_expert, fp8) for name, _, _, p in params]
+    dtype = dtype or next(p.param.dtype for p in params if p.param.dtype != torch.float8_e4m3fn)
+    written = [_pieces(p.name, tuple(p.param.shape), dtype, per_expert, fp8) for p in params]
     entries = [
         (disk, math.prod(shape) * kind.itemsize)
         for pieces in written
         for disk, shape, kind, _, _ in pieces
     ]
-    plan = export_plan(entries, world, max_file_bytes)
+    holders = _holders(params, world, pipeline_group)
+    if holders is not None:  # per written entry: its parameter's holders
+        holders = [h for h, pieces in zip(holders, written, strict=True) for _ in pieces]
+    plan = export_plan(entries, world, max_file_bytes, holders)
     total = max((number for _, number in plan), default=0)
     places = iter(plan)
     if rank == 0:
@@ -151,7 +165,11 @@ def export_hf(
         dist.barrier()
     pending: dict[str, torch.Tensor] = {}
     current = None
-    for (name, module, attr, param), pieces in zip(params, written, strict=True):
+    for (name, module, attr, param, holder), pieces in zip(params, written, strict=True):
+        if holder is not None:  # another pipeline stage's: its ranks write it
+            for _ in pieces:
+                next(places)
+            continue
         full = merged(module, attr, full_tensor)
         full = dequantized(module, attr, full_tensor) if full is None else full
         full = full_tensor(param) if full is None else full
@@ -187,3 +205,23 @@ def export_hf(
         config.save_pretrained(str(path))
     if dist.is_initialized():
         dist.barrier()
+
+
+def _holders(
+    params: list[WholeParameter], world: int, pipeline_group: Any
+) -> list[list[int]] | None:
+    """Per parameter, the global ranks holding it: those of the pipeline rank of its stage
+    (every rank's pipeline rank gathered once, on the parameters' device); ``None`` without
+    pipeline parallelism (every rank holds every tensor, sharded)."""
+    if pipeline_group is None:
+        return None
+    device = next(p.param for p in params if p.here).device
+    mine = torch.tensor([dist.get_rank(pipeline_group)], device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    stage_of = [int(t) for t in every]
+    pp_rank = int(mine)
+    return [
+        [r for r in range(world) if stage_of[r] == (pp_rank if p.here else p.holder)]
+        for p in params
+    ]

@@ -1,0 +1,113 @@
+"""The folders of :mod:`source_matrix`'s sources, their one-process references, and the check
+each rank of test_train_dp.py's launches runs for a ``(layout, source)`` cell."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from dist_checks import assert_same_run, layout_recipe
+from pp_checks import assert_stage_state
+from source_matrix import COMPARE, MATRIX_LAYOUTS, MATRIX_SOURCES, ROWS
+
+from qwen35_trainer import train
+
+__all__ = ["check_from_source", "matrix_folders", "matrix_references", "source_overrides"]
+
+
+def _hf_folder(folder: Path) -> Path:
+    """The tiny recipe's model (no MTP head) as transformers' ``save_pretrained`` writes it, in
+    bf16, from transformers' own initialisation."""
+    from helpers import tiny
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from qwen35_trainer.model import build_config
+
+    torch.manual_seed(0)
+    config = build_config(tiny("model.mtp_layers=0").model)
+    Qwen3_5MoeForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def _export_folder(folder: Path) -> Path:
+    """The seeded tiny model with its MTP head exported by this trainer in fp32: the experts
+    stacked, files of at most 64 KiB with an index."""
+    from helpers import tiny
+
+    from qwen35_trainer import build_model
+    from qwen35_trainer.model import export_hf
+
+    recipe = tiny("model.mtp_layers=1", *ROWS)
+    export_hf(build_model(recipe.model), folder, max_file_bytes=64 << 10)
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+def matrix_folders(root: Path, fp8: Path) -> dict[str, str]:
+    """Every source's folder (``resume``: the parent of the one-process step-1 checkpoints,
+    one per micro-batch count, ``{resume}/micro{M}``)."""
+    folders = {
+        "hf": _hf_folder(root / "hf"),
+        "fp8": fp8,
+        "export": _export_folder(root / "export"),
+        "resume": root / "resume",
+    }
+    for micro in (1, 2):
+        source = source_overrides("resume", folders, micro)
+        stopped = tuple(o for o in source if not o.startswith("train.checkpoint_dir="))
+        checkpoint = folders["resume"] / f"micro{micro}"
+        train(layout_recipe(1, *stopped, f"train.checkpoint_dir={checkpoint}", "train.steps=1"))
+    return {k: str(v) for k, v in folders.items()}
+
+
+def source_overrides(source: str, folders: dict, micro: int) -> tuple[str, ...]:
+    """``source``'s overrides with its folder, the matrix's rows and ``micro`` micro-batches per
+    step (``resume``: the checkpoint of that micro-batch count)."""
+    fill = {**folders, "resume": f"{folders['resume']}/micro{micro}"}
+    given = tuple(o.format(**fill) for o in MATRIX_SOURCES[source])
+    return (*ROWS, f"train.grad_accum_steps={micro}", *given)
+
+
+def _resumed_copy(overrides: tuple[str, ...], to: str) -> tuple[str, ...]:
+    """``overrides`` with its checkpoint folder copied to ``to`` (rank 0 copies): a resumed run
+    writes its own checkpoints beside the one it starts from."""
+    (saved,) = [o.split("=", 1)[1] for o in overrides if o.startswith("train.checkpoint_dir=")]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.copytree(Path(saved) / "step_000001", Path(to) / "step_000001")
+    if dist.is_initialized():
+        dist.barrier()
+    kept = tuple(o for o in overrides if not o.startswith("train.checkpoint_dir="))
+    return (*kept, f"train.checkpoint_dir={to}")
+
+
+def matrix_references(folders: dict, root: Path) -> dict:
+    """``(source, micro) -> (logs, fp32 state)``: one process started from each source."""
+    out = {}
+    for source in MATRIX_SOURCES:
+        for micro in (1, 2):
+            overrides = source_overrides(source, folders, micro)
+            if source == "resume":
+                overrides = _resumed_copy(overrides, str(root / f"reference_micro{micro}"))
+            result = train(layout_recipe(1, *overrides))
+            state = {k: v.detach().float().clone() for k, v in result.state_dict().items()}
+            out[source, micro] = (result.logs, state)
+    return out
+
+
+def check_from_source(layout: str, source: str, folders: dict, reference, copy_to: str) -> None:
+    """Cell ``(layout, source)`` on this launch's ranks equals one process from the same source
+    (module docstring of :mod:`source_matrix`); ``copy_to``: this cell's checkpoint folder
+    when it resumes."""
+    overrides, micro, _ = MATRIX_LAYOUTS[layout]
+    given = source_overrides(source, folders, micro)
+    if source == "resume":
+        given = _resumed_copy(given, copy_to)
+    result = train(layout_recipe(dist.get_world_size(), *given, *overrides))
+    logs, state = reference
+    if any(o.startswith("parallel.pp=") for o in overrides):
+        assert_stage_state(result, logs, state, COMPARE[source])
+    else:
+        ours = result.objective.model.state_dict()
+        assert_same_run(result.logs, logs, ours, state, **COMPARE[source])
