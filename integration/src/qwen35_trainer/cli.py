@@ -1,6 +1,6 @@
 """``qwen35-train RECIPE [--set section.key=value ...] [--nproc N]``: train a recipe;
-``qwen35-train plan RECIPE [--world-size N] [--gpu-memory GiB] [--json FILE] [--search]``: will it
-fit (``--search``: which layout)?
+``qwen35-train plan RECIPE [--world-size N] [--gpu h100|h200|b200] [--json FILE] [--search]``:
+will it fit, and how long a step takes (``--search``: which layout)?
 ``qwen35-train export RECIPE CHECKPOINT OUT``: a training checkpoint as a transformers directory;
 ``qwen35-train data make-demo DIR`` / ``qwen35-train data check RECIPE``: the demo dataset, and
 a report of a recipe's dataset read through its processor;
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="qwen35-train",
         description=__doc__.split("\n\n")[0],
         epilog="Subcommands: qwen35-train plan RECIPE (memory / communication per GPU on a fake "
-        "world, exit 3 when it does not fit); qwen35-train export RECIPE CHECKPOINT OUT (a "
+        "world and the step's time on --gpu, exit 3 when it does not fit); qwen35-train export RECIPE CHECKPOINT OUT (a "
         "training checkpoint as a transformers directory); qwen35-train data make-demo DIR | check "
         "RECIPE (write the demo dataset; read a recipe's dataset and report it); qwen35-train "
         "checkpoint verify DIR (each checkpoint intact, damaged or incomplete; exit 3 unless all "

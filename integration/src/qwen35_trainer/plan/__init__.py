@@ -4,6 +4,12 @@
   trainer's own code for the first and last rank of a fake world, every byte accounted;
 - :mod:`.memory`: the per-rank tensors (parameters, gradients, optimizer state, activations);
 - :mod:`.headroom`: what the GPU holds beyond them (CUDA context, cuBLAS, NCCL, fragmentation);
+- :mod:`.traffic`: the bytes each rank sends per step, by kind of collective;
+- :mod:`.work`: each planned rank's FLOPs per kind and passes (forward, recompute, backward);
+- :mod:`.hardware`: the GPU profiles (H100 SXM, H200, B200) the step is timed on;
+- :mod:`.timing`: :func:`.timing.step_time` — step time, tokens/s/GPU, TFLOP/s/GPU, MFU and the
+  exposed communication per group;
+- :mod:`.published`: the model against the published Qwen3.6-35B-A3B runs;
 - :mod:`.world`: the fake process group;
 - :mod:`.report`: the table ``qwen35-train plan`` prints.
 """
