@@ -7,14 +7,16 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
-from dist_checks import FIELDS, assert_same_run, layout_recipe
+from dist_checks import FIELDS, STEPS, assert_same_run, layout_recipe
 
 from dist_testkit import assert_close
 from qwen35_trainer import train
 
 __all__ = [
     "check_pipeline_equals_one_process",
+    "check_pipeline_eval_and_export",
     "pp_export_equals_one_process",
     "pp_resume_in_one_process",
 ]
@@ -89,3 +91,46 @@ def pp_export_equals_one_process(saved: Path, one: Path, tmp: Path, variant) -> 
     lr = layout_recipe(1).train.lr
     for name, value in reference.items():
         assert_close(ours[name].float(), value.float(), rtol=1e-4, atol=1e-3 * lr, name=name)
+
+
+def check_pipeline_eval_and_export(
+    overrides, reference_logs, reference_state, compare, folder
+) -> None:
+    """The PP layout ``overrides`` with a held-out evaluation every step and
+    ``train.export_dir``: the logs — the held-out loss and accuracies included — and the
+    parameters equal one process's (that evaluates the same weights at pp=1); the export the
+    stages wrote equals ``qwen35-train export`` of the run's last checkpoint, tensor for tensor
+    and bit for bit (the merged model, or a LoRA run's PEFT adapter folder), its configs the
+    same."""
+    from qwen35_trainer.train.export import export_checkpoint
+
+    world, root = dist.get_world_size(), Path(folder)
+    run = (*overrides, f"train.checkpoint_dir={root}/ckpt", f"train.export_dir={root}/export")
+    result = train(layout_recipe(world, *run))
+    assert result.logs[-1].eval_loss is not None
+    assert_stage_state(result, reference_logs, reference_state, compare)
+    last = root / "ckpt" / f"step_{STEPS:06d}"
+    export_checkpoint(layout_recipe(world, *overrides), last, root / "from_checkpoint")
+    if dist.get_rank() == 0:
+        assert_same_folder(root / "export", root / "from_checkpoint")
+    dist.barrier()
+
+
+def assert_same_folder(ours: Path, reference: Path) -> None:
+    """Two exports hold the same tensors (names, dtypes, values bit for bit) and configs."""
+    import json
+
+    from safetensors.torch import load_file
+
+    tensors = [
+        {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+        for folder in (ours, reference)
+    ]
+    assert sorted(tensors[0]) == sorted(tensors[1])
+    for name, value in tensors[1].items():
+        assert tensors[0][name].dtype == value.dtype, name
+        assert torch.equal(tensors[0][name], value), name
+    for config in ("config.json", "adapter_config.json"):
+        if (reference / config).is_file():
+            loaded = [json.loads((f / config).read_text()) for f in (ours, reference)]
+            assert loaded[0] == loaded[1], config

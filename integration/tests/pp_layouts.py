@@ -7,7 +7,7 @@ from __future__ import annotations
 from dist_checks import FIELDS
 from train_layouts import LORA
 
-__all__ = ["PP_COMPARE", "PP_LAYOUTS", "PP_RESUMED", "PP_VARIANTS"]
+__all__ = ["PP_COMPARE", "PP_EXPORTED", "PP_LAYOUTS", "PP_RESUMED", "PP_VARIANTS"]
 
 # pipeline parallelism: packed rows of one fixed capacity, 2 micro-batches per step
 PP_ROWS = ("data.packing=true", "data.pack_length=256", "train.grad_accum_steps=2")
@@ -95,14 +95,28 @@ PP_LAYOUTS = {
     ),
 }
 PP_RESUMED = {"pp2_1f1b_ac"}
+# evaluated every step and exported at the end (pp_checks.check_pipeline_eval_and_export): the
+# merged model with the MTP head, and a LoRA run's PEFT adapter folder (its routers and lm_head
+# trained in full, as modules_to_save)
+EVALUATED = ("train.eval_every=1",)
+PP_EXPORTED = {
+    "pp2_eval_export": ((*PP2, *PP_MTP, *EVALUATED), "pp_mtp_eval", (2,)),
+    "pp2_lora_eval_export": ((*PP2, *PP_LORA, *EVALUATED), "pp_lora_eval", (2,)),
+}
+PP_LAYOUTS.update(PP_EXPORTED)
 PP_VARIANTS = {
     "pp_mtp": PP_MTP,
     "pp_lora": PP_LORA,
+    "pp_mtp_eval": (*PP_MTP, *EVALUATED),
+    "pp_lora_eval": (*PP_LORA, *EVALUATED),
     "pp_no_aux": (*PP_MTP, "train.router_aux_loss_coef=0"),
     "pp_lora_no_aux": (*PP_LORA, "train.router_aux_loss_coef=0"),
 }
+EVAL_FIELDS = ("eval_loss", "eval_accuracy")
 PP_COMPARE = {
     "pp_mtp": {"fields": (*FIELDS, "mtp_loss")},
+    "pp_mtp_eval": {"fields": (*FIELDS, "mtp_loss", *EVAL_FIELDS, "eval_mtp_accuracy")},
+    "pp_lora_eval": {"fields": (*FIELDS, *EVAL_FIELDS)},
     "pp_no_aux": {"fields": ("loss", "ce", "grad_norm", "mtp_loss")},
     "pp_lora_no_aux": {"fields": ("loss", "ce", "grad_norm")},
 }

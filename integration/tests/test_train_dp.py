@@ -53,10 +53,13 @@ from fp8_dist_checks import check_fp8_equals_one_process
 from fp8_fixtures import export_base, fp8_checkpoint
 from pp_checks import (
     check_pipeline_equals_one_process,
+    check_pipeline_eval_and_export,
     pp_export_equals_one_process,
     pp_resume_in_one_process,
 )
-from pp_layouts import PP_RESUMED
+from pp_layouts import PP_EXPORTED, PP_RESUMED
+from source_checks import check_from_source, matrix_folders, matrix_references
+from source_matrix import MATRIX_LAYOUTS, MATRIX_SOURCES, REFUSED, ROWS, cells
 from train_layouts import REPEATS, RESUMED, RESUMED_AT_2
 
 from dist_testkit import named_check, run_checks
@@ -77,6 +80,8 @@ def _check_of(layout: str):
         return check_async_tp_equals_one_process
     if "fp8" in layout:
         return check_fp8_equals_one_process
+    if layout in PP_EXPORTED:
+        return check_pipeline_eval_and_export
     if layout.startswith("pp"):
         return check_pipeline_equals_one_process
     return check_training_equals_one_process
@@ -116,8 +121,16 @@ def reference(references):
     return references["base"]
 
 
+@pytest.fixture(scope="module")
+def matrix(fp8_base, tmp_path_factory):
+    """The source matrix's folders (source_matrix.py) and the one-process run from each."""
+    root = tmp_path_factory.mktemp("matrix")
+    folders = matrix_folders(root, fp8_base)
+    return folders, matrix_references(folders, root)
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def launch(request, references, fp8_base, one_process_pp_checkpoint, tmp_path_factory):
+def launch(request, references, matrix, fp8_base, one_process_pp_checkpoint, tmp_path_factory):
     world = request.param
     exported = tmp_path_factory.mktemp(f"export_world{world}")
     megatron_exported = tmp_path_factory.mktemp(f"megatron_export_world{world}")
@@ -144,10 +157,23 @@ def launch(request, references, fp8_base, one_process_pp_checkpoint, tmp_path_fa
             COMPARE.get(variant),
             *([resume_dirs[name]] if name in resume_dirs else []),
             *([str(one_process_pp_checkpoint)] if name in PP_RESUMED else []),
+            *([str(tmp_path_factory.mktemp(name))] if name in PP_EXPORTED else []),
         )
         for name, (overrides, variant, worlds) in LAYOUTS.items()
         if world in worlds
     }
+    folders, matrix_refs = matrix
+    for layout, source in cells(world):
+        micro = MATRIX_LAYOUTS[layout][1]
+        checks[f"{layout}/{source}"] = named_check(
+            f"{layout}/{source}@{world}",
+            check_from_source,
+            layout,
+            source,
+            folders,
+            matrix_refs[source, micro],
+            str(tmp_path_factory.mktemp(f"{layout}_{source}")),
+        )
     if world == 2:
         checks["cross_backend_resume"] = named_check(
             "cross_backend_resume@2",
@@ -213,6 +239,51 @@ def test_layout_equals_one_process(launch, layout):
         worlds = LAYOUTS[layout][2] if layout in LAYOUTS else (2 if layout in RESUMED_AT_2 else 4)
         pytest.skip(f"{layout} runs at world {worlds}")
     report.assert_passed(checks[layout])
+
+
+@pytest.mark.parametrize("source", list(MATRIX_SOURCES))
+@pytest.mark.parametrize("layout", list(MATRIX_LAYOUTS))
+def test_layout_from_each_source_equals_one_process(launch, matrix, layout, source):
+    """source_matrix.py: each layout started from each folder a user brings equals one
+    process from that folder; a refused pair is refused before any rank starts, with its
+    reason."""
+    checks, report, *_ = launch
+    if (layout, source) in REFUSED:
+        _assert_refused(layout, source, matrix[0])
+        return
+    if f"{layout}/{source}" not in checks:
+        pytest.skip(f"{layout} runs at world {MATRIX_LAYOUTS[layout][2]}")
+    report.assert_passed(checks[f"{layout}/{source}"])
+
+
+def test_the_export_folder_trains_as_the_seeded_model(matrix):
+    """The matrix's ``export`` folder holds the seeded weights (fp32, stacked experts, sharded
+    with an index): one process started from it takes the seeded run's steps exactly."""
+    logs, state = matrix[1]["export", 1]
+    seeded = train(layout_recipe(1, *ROWS, "model.mtp_layers=1"))
+    for ours, theirs in zip(logs, seeded.logs, strict=True):
+        assert (ours.loss, ours.grad_norm, ours.mtp_loss) == (
+            theirs.loss,
+            theirs.grad_norm,
+            theirs.mtp_loss,
+        )
+    for name, value in seeded.state_dict().items():
+        assert torch.equal(state[name], value.float()), name
+
+
+def _assert_refused(layout: str, source: str, folders: dict) -> None:
+    """The layout checks every launch makes before any worker starts refuse the pair with
+    its reason (source_matrix.REFUSED)."""
+    from source_checks import source_overrides
+
+    from qwen35_trainer.model import build_config
+    from qwen35_trainer.parallel.layout_checks import validate_layout
+
+    overrides, micro, (world, *_) = MATRIX_LAYOUTS[layout]
+    recipe = layout_recipe(world, *source_overrides(source, folders, micro), *overrides)
+    with pytest.raises(ValueError, match="invalid parallel layout") as err:
+        validate_layout(recipe, world, config=build_config(recipe.model), on_this_machine=False)
+    assert REFUSED[layout, source] in str(err.value)
 
 
 def test_checkpoint_of_a_pipeline_run_resumes_in_one_process(

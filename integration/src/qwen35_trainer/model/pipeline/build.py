@@ -198,10 +198,10 @@ def build_pipeline(
     return Pipeline(plan, modules, schedule, group)
 
 
-def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The last stage's output IS the micro-batch's loss share (its labels are read by the
-    stage itself, from the micro-batch's row)."""
-    return output
+def _loss_is_output(output_1: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The last stage's output IS the micro-batch's loss share, [1] (its labels are read by
+    the stage itself, from the micro-batch's row)."""
+    return output_1.sum()
 
 
 def _buffers(module: StageModule, model: nn.Module, plan: PipelinePlan) -> dict:
@@ -226,5 +226,6 @@ def _buffers(module: StageModule, model: nn.Module, plan: PipelinePlan) -> dict:
     if plan.mtp:
         carried = (*carried, meta(1, plan.row_tokens, hidden, grad=plan.embeds_train))
     inputs = (index,) if module.first else carried
-    outputs = meta((), dtype=torch.float32, grad=True) if module.last else carried
+    # the last stage's loss as [1]: torch's eval concatenates the micro-batches' outputs
+    outputs = meta(1, dtype=torch.float32, grad=True) if module.last else carried
     return {"input_args": inputs, "output_args": outputs}

@@ -271,7 +271,7 @@ class StageModule(nn.Module):
                 None if mtp is None else mtp.correct,
             )
         )
-        return step.loss_of(ce, aux, None if mtp is None else mtp.ce)
+        return step.loss_of(ce, aux, None if mtp is None else mtp.ce).reshape(1)
 
 
 def _tower(vlm: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
