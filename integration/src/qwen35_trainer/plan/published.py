@@ -74,6 +74,8 @@ RUNS = (
         5885.264,
         135.610,
         "selective recompute (core attention, GDN output norm, MoE activation) planned as none; "
+        "the MTP layer trained (its recipe does not say; the card's model FLOPs per token, 2.30e10, "
+        "equal its SFT's, which trains it); "
         "the run's CUDA graphs (attention, router, dispatch preprocessing), HybridEP dispatch "
         "overlapped with the experts' weight gradients and bf16 Adam moments are not this "
         "trainer's (its step is predicted graph-free, dispatch exposed); DataComp images "
