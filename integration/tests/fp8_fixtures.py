@@ -96,12 +96,13 @@ def quantization_config(block) -> dict:
     }
 
 
-def fp8_checkpoint(folder: Path, base: Path, block=(12, 12)) -> Path:
+def fp8_checkpoint(folder: Path, base: Path, block=(12, 12), keep: tuple[str, ...] = ()) -> Path:
     """``base`` (a bf16 checkpoint, :func:`export_base`) in Qwen's FP8 format (module
-    docstring)."""
+    docstring); ``keep``: module prefixes left in bf16 and listed in ``modules_to_not_convert``
+    (as third-party FP8 checkpoints do)."""
     out = {}
     for key, value in _tensors(base).items():
-        if not CONVERTED.match(key):
+        if not CONVERTED.match(key) or key.startswith(keep):
             out[key] = value
             continue
         if key == ZERO_BLOCK:
@@ -111,6 +112,7 @@ def fp8_checkpoint(folder: Path, base: Path, block=(12, 12)) -> Path:
 
     def edit(config):
         config["quantization_config"] = quantization_config(block)
+        config["quantization_config"]["modules_to_not_convert"] += [k.rstrip(".") for k in keep]
 
     return _write(folder, base, out, edit)
 

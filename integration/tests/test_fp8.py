@@ -207,11 +207,11 @@ def _exit_and_message(capsys, sets):
                         r"expected for .*in_proj_z.weight \[32, 32\] in blocks of \[12, 12\]"),
         ("fmt", r"model.quantization.fmt must be 'e4m3' \(float8_e4m3fn\), got 'e5m2'"),
         ("no_scale", r"layers.3.self_attn.q_proj.weight: F8_E4M3 on disk without its scale"),
-        ("no_config", r"_proj.weight: F8_E4M3 on disk but the checkpoint's config.json has no "
-                      r"quantization_config"),
+        ("no_config", r"\d+ tensor\(s\) are F8_E4M3 on disk \(e.g. [\w.]+\) but its "
+                      r"config.json has no quantization_config"),
         ("integer", r"layers.0.input_layernorm.weight: dtype I32 on disk, a float"),
-        ("bare_fp8", r"_proj.weight: F8_E4M3 on disk but the checkpoint's config.json has no "
-                     r"quantization_config"),
+        ("bare_fp8", r"\d+ tensor\(s\) are F8_E4M3 on disk \(e.g. [\w.]+\) but its "
+                     r"config.json has no quantization_config"),
     ],
 )  # fmt: skip
 def test_a_bad_fp8_checkpoint_exits_2_naming_the_tensor(
@@ -248,6 +248,8 @@ def test_a_bad_fp8_checkpoint_exits_2_naming_the_tensor(
     import re
 
     assert re.search(message, err), err
+    if fault in ("no_config", "bare_fp8"):
+        assert err.count("F8_E4M3") == 1, err  # one message, not one per tensor
 
 
 def test_fp8_without_lora_is_refused(checkpoints, capsys):

@@ -36,6 +36,8 @@ from qwen35_trainer.model.lora.peft_import import AdapterSource
 from qwen35_trainer.model.mtp import add_mtp
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.model.params import named_parameters
+from qwen35_trainer.model.weights.adapter import fp8_weights
+from qwen35_trainer.model.weights.files import CheckpointFiles
 from qwen35_trainer.model.weights.init import SeededInit
 from qwen35_trainer.model.weights.load import CheckpointSource
 from qwen35_trainer.model.weights.shards import local_index, read_local
@@ -78,7 +80,7 @@ def build_meta_model(model_recipe: ModelRecipe, *, packing: bool = False) -> nn.
         if model_recipe.lora is not None:
             add_lora(model, model_recipe.lora)
         if model_recipe.fp8_base:
-            hold_base_in_fp8(model, model_recipe.block)
+            hold_base_in_fp8(model, model_recipe.block, _stored_fp8(model_recipe))
     if packing:
         enable_packing(
             model,
@@ -86,6 +88,14 @@ def build_meta_model(model_recipe: ModelRecipe, *, packing: bool = False) -> nn.
             gdn_backend=model_recipe.gdn_backend,
         )
     return model
+
+
+def _stored_fp8(model_recipe: ModelRecipe) -> set[str] | None:
+    """The weights the recipe's FP8 checkpoint stores in float8 (read from its files'
+    headers), or ``None`` when the base is quantized on load (a bf16 checkpoint, or none)."""
+    if model_recipe.quantization is None or model_recipe.weights_dir is None:
+        return None
+    return fp8_weights(CheckpointFiles(model_recipe.weights_dir))
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,7 @@ class LoRARecipe:
 
 
 BASE_DTYPES = ("auto", "fp8")
+DEFAULT_FP8_BLOCK = (128, 128)  # the blocks of a bf16 checkpoint quantized on load
 # what the trainer reads of a checkpoint's quantization_config: key -> (accepted, what to say)
 _QUANTIZATION = {
     "quant_method": (("fp8",), "'fp8' (block-scaled FP8, as Qwen's FP8 releases)"),
@@ -172,8 +173,11 @@ class ModelRecipe:
     dequantized into the trained weights. ``base_dtype``: ``auto`` (that rule; any other
     checkpoint's frozen base in the training dtype) or ``fp8``: the frozen projections held in
     FP8 whatever the checkpoint holds — a bf16 checkpoint's quantized on load in blocks of
-    ``fp8_block`` (an FP8 checkpoint's keep its own) — LoRA only: an FP8 weight cannot take
-    an optimizer step."""
+    ``fp8_block`` (default 128 × 128; an FP8 checkpoint keeps its own, and a ``fp8_block``
+    that disagrees with them is an error) — LoRA only: an FP8 weight cannot take an optimizer
+    step. From an FP8 checkpoint the modules held in FP8 are exactly those it stores in
+    float8 (:func:`qwen35_trainer.model.weights.adapter.fp8_weights`): a module it keeps in
+    bf16 (its ``modules_to_not_convert``) stays bf16."""
 
     text: dict[str, Any]
     vision: dict[str, Any]
@@ -192,7 +196,7 @@ class ModelRecipe:
     lora: LoRARecipe | None = None
     base_as_written: str | None = None
     base_dtype: str = "auto"
-    fp8_block: tuple[int, int] = (128, 128)
+    fp8_block: tuple[int, int] | None = None
     quantization: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -220,14 +224,26 @@ class ModelRecipe:
                 ),
                 "base_dtype": (self.base_dtype in BASE_DTYPES, f"one of {BASE_DTYPES}"),
                 "fp8_block": (
-                    all(is_int(n) and n >= 1 for n in self.fp8_block),
-                    "[rows, columns], integers >= 1",
+                    self.fp8_block is None
+                    or (
+                        isinstance(self.fp8_block, list | tuple)
+                        and len(self.fp8_block) == 2
+                        and all(is_int(n) and n >= 1 for n in self.fp8_block)
+                    ),
+                    "[rows, columns], integers >= 1 (null: 128 x 128)",
                 ),
             },
             self,
         )
         if self.quantization is not None:
             quantization_problems(self.quantization)
+            stored = list(self.quantization["weight_block_size"])
+            if self.fp8_block is not None and list(self.fp8_block) != stored:
+                raise ValueError(
+                    f"model.fp8_block {list(self.fp8_block)} disagrees with the FP8 checkpoint's "
+                    f"blocks, quantization_config.weight_block_size {stored} (config.json): an "
+                    "FP8 checkpoint keeps its own blocks; drop model.fp8_block"
+                )
         if self.base_dtype == "fp8" and self.lora is None:
             raise ValueError(
                 "model.base_dtype=fp8 needs model.lora: FP8 holds a frozen base that trains "
@@ -243,10 +259,11 @@ class ModelRecipe:
 
     @property
     def block(self) -> tuple[int, int]:
-        """The FP8 blocks: the checkpoint's ``weight_block_size``, else ``fp8_block``."""
+        """The FP8 blocks: the checkpoint's ``weight_block_size``, else ``fp8_block``, else
+        128 × 128."""
         if self.quantization is not None:
             return tuple(self.quantization["weight_block_size"])
-        return tuple(self.fp8_block)
+        return tuple(self.fp8_block) if self.fp8_block is not None else DEFAULT_FP8_BLOCK
 
     @property
     def mtp_depth(self) -> int:

@@ -4,24 +4,36 @@ progress bar on a terminal) and the closing summary. The other ranks print nothi
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 
 import torch
 
 from qwen35_trainer.model.config import build_config
+from qwen35_trainer.model.fp8.hold import fp8_summary
 from qwen35_trainer.model.kernels import Kernels
+from qwen35_trainer.model.lora.adapters import is_adapter
 from qwen35_trainer.model.pipeline.build import stage_layers
+from qwen35_trainer.model.whole import whole_parameters
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.train.metrics import StepLog
 
-__all__ = ["Console", "quiet_cpu_notices", "what_runs"]
+__all__ = ["Console", "parameter_lines", "quiet_cpu_notices", "what_runs"]
 
 
-def what_runs(recipe: Recipe, world: int, device: torch.device, kernels: Kernels) -> list[str]:
+def what_runs(
+    recipe: Recipe,
+    world: int,
+    device: torch.device,
+    kernels: Kernels,
+    model: torch.nn.Module | None = None,
+) -> list[str]:
     """The run's first lines: its layout (with sequence parallelism, async TP and the FSDP
-    backend), precision and compilation, the kernel each layer kind runs (``kernels``), the MTP
-    head (when it has one), data and run folder."""
+    backend), precision and compilation, the kernel each layer kind runs (``kernels``), the
+    parameters that train and, with LoRA, which modules carry adapters, the FP8 base's modules
+    and bytes (``model``, the whole model however it is split), the MTP head (when it has one),
+    data and run folder."""
     p, training, data = recipe.parallel, recipe.train, recipe.data
     backend = "nccl" if device.type == "cuda" else "gloo"
     sharding = "FSDP2" if p.fsdp_backend == "fsdp2" else "megatron-fsdp"
@@ -38,7 +50,8 @@ def what_runs(recipe: Recipe, world: int, device: torch.device, kernels: Kernels
             compiled = "on (the TP-split layers for static shapes: one graph per row length"
             compiled += ")" if data.pack_length else "; set data.pack_length for one graph)"
     lines = [
-        f"layout: dp_replicate {p.dp_replicate} x dp {p.dp} x cp {p.cp} x tp {p.tp}, ep {p.ep} "
+        f"layout: pp {p.pp} x dp_replicate {p.dp_replicate} x dp {p.dp} x cp {p.cp} x tp "
+        f"{p.tp}, ep {p.ep} "
         f"(ep_first {p.ep_first}) on {world} rank(s), {backend} on {device.type}; "
         f"{sharding}{tp_extras}",
         f"precision: {training.dtype}; activation checkpointing "
@@ -59,6 +72,8 @@ def what_runs(recipe: Recipe, world: int, device: torch.device, kernels: Kernels
     weights = _weights_line(recipe)
     if weights:
         lines.append(weights)
+    if model is not None:
+        lines += parameter_lines(recipe, model)
     if recipe.model.mtp_depth:
         lines.append(
             f"multi-token prediction: {recipe.model.mtp_depth} layer(s) (mtp.*), loss weight "
@@ -70,6 +85,31 @@ def what_runs(recipe: Recipe, world: int, device: torch.device, kernels: Kernels
     else:
         lines.append("data: the synthetic stream (no data.path)")
     lines.append(f"run folder: {training.output_dir or '(none)'}")
+    return lines
+
+
+def parameter_lines(recipe: Recipe, model: torch.nn.Module) -> list[str]:
+    """How many parameters train, of how many; with LoRA the modules carrying adapters and
+    those trained in full; with an FP8 base its modules by kind and bytes. Counted over the
+    whole model (every pipeline stage's), from full shapes."""
+    whole = whole_parameters(model)
+    total = sum(math.prod(p.param.shape) for p in whole)
+    trained = sum(math.prod(p.param.shape) for p in whole if p.param.requires_grad)
+    line = f"parameters: {trained:,} trained of {total:,}"
+    if recipe.model.lora is not None:
+        adapted = sorted(
+            {p.name.rsplit(".", 1)[0] for p in whole if is_adapter(p.name)},
+            key=lambda n: [int(x) if x.isdigit() else x for x in n.split(".")],
+        )
+        kinds = sorted({n.rsplit(".", 1)[-1] for n in adapted})
+        full = list(getattr(model, "lora_trained", ())) or "none"
+        line += (
+            f"; LoRA adapters on {len(adapted)} modules ({', '.join(kinds)}); trained in full: "
+            f"{full}"
+        )
+    lines = [line]
+    if recipe.model.fp8_base:
+        lines.append(fp8_summary(whole))
     return lines
 
 

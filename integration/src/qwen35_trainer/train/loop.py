@@ -182,7 +182,7 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
     folder = None
     if training.output_dir:
         folder = RunFolder(training.output_dir, recipe, rank(), kernels=kernels.record())
-    for line in what_runs(recipe, world(), device, kernels):
+    for line in what_runs(recipe, world(), device, kernels, model):
         logger.info(line)
         if folder is not None:
             folder.note(line)

@@ -26,6 +26,9 @@ take an optimizer step.
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +37,8 @@ from moe_parallel import BlockFormat, FP8Weight, dequantize, fp8_linear, quantiz
 from moe_parallel.fp8_experts import EXPERT_FP8
 from moe_parallel.moe import Experts
 
+logger = logging.getLogger("qwen35_trainer")
+
 __all__ = [
     "CONVERTED",
     "FP8_LAYERS",
@@ -41,6 +46,7 @@ __all__ = [
     "base_linear",
     "converted_form",
     "dequantized",
+    "fp8_summary",
     "hold_base_in_fp8",
     "is_fp8",
 ]
@@ -96,24 +102,94 @@ def _convert(module: nn.Linear, form: BlockFormat) -> None:
         module.__class__ = FP8Linear
 
 
-def hold_base_in_fp8(model: nn.Module, block: tuple[int, int]) -> list[str]:
-    """Hold ``model``'s converted projections and routed experts (module docstring) in FP8
-    with ``block`` scales, on the meta device, after LoRA was added; returns the converted
-    modules' names."""
+def hold_base_in_fp8(
+    model: nn.Module, block: tuple[int, int], stored: set[str] | None = None
+) -> list[str]:
+    """Hold ``model``'s frozen projections and routed experts in FP8 with ``block`` scales, on
+    the meta device, after LoRA was added; returns the converted modules' names. Which ones:
+    with ``stored`` (the runtime weights an FP8 checkpoint stores in float8,
+    :func:`qwen35_trainer.model.weights.adapter.fp8_weights`) exactly those — a module the
+    checkpoint keeps in bf16 stays bf16 —, else the release rule (module docstring). A module
+    trained in full keeps its precision either way (a float8 weight of it is dequantized on
+    load)."""
     if any(not p.is_meta for p in model.parameters()):
         raise ValueError("hold_base_in_fp8 changes the meta model, before it is materialised")
     form = BlockFormat(tuple(block))
-    converted = []
+    converted, kept = [], []
     for name, module in model.named_modules():
-        if name.startswith(FP8_LAYERS) and name.endswith(CONVERTED):
-            if not isinstance(module, nn.Linear):
-                raise ValueError(f"{name} is a {type(module).__name__}, not a linear projection")
-            if not module.weight.requires_grad:  # a module trained in full keeps its precision
-                _convert(module, form)
-                converted.append(name)
-        elif isinstance(module, Experts) and not module.gate_up_proj.requires_grad:
-            converted += [name for _ in quantize_experts(module, block)]
+        if isinstance(module, Experts):
+            frozen = not module.gate_up_proj.requires_grad
+            if frozen and _held(stored, name, (".gate_up_proj", ".down_proj"), released=True):
+                converted += [name for _ in quantize_experts(module, block)]
+            continue
+        released = name.startswith(FP8_LAYERS) and name.endswith(CONVERTED)
+        if not _held(stored, name, (".weight",), released):
+            continue
+        if stored is None and not isinstance(module, nn.Linear):
+            raise ValueError(f"{name} is a {type(module).__name__}, not a linear projection")
+        if isinstance(module, nn.Linear) and not module.weight.requires_grad:
+            _convert(module, form)
+            converted.append(name)
+        else:  # trained in full, or not a projection: computed in full precision
+            kept.append(name)
+    if kept:
+        logger.info(
+            "held in full precision (trained in full, or not a linear projection), their "
+            "float8 on disk dequantized on load: %s",
+            ", ".join(kept),
+        )
     return converted
+
+
+def _held(stored: set[str] | None, name: str, weights: tuple[str, ...], released: bool) -> bool:
+    """Whether module ``name`` (its ``weights``) is held in FP8: stored so, or without
+    ``stored`` by the release rule (``released``)."""
+    if stored is None:
+        return released
+    return all(f"{name}{w}" in stored for w in weights)
+
+
+def fp8_summary(params) -> str:
+    """The modules held in FP8 by kind and the bytes of the whole model's weights: float8,
+    their scales, the rest (``params``: :func:`qwen35_trainer.model.whole.whole_parameters`,
+    full shapes)."""
+    kinds: dict[str, int] = {}
+    fp8 = scales = rest = 0
+    for p in params:
+        size = math.prod(p.param.shape) * p.param.element_size()
+        if p.param.dtype == torch.float8_e4m3fn:
+            fp8 += size
+            kind = _kind(p.name)
+            kinds[kind] = kinds.get(kind, 0) + 1
+        elif p.name.endswith("_scale_inv"):
+            scales += size
+        else:
+            rest += size
+    held = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none"
+    return (
+        f"FP8 modules: {held}; the base holds {_size(fp8)} in float8, {_size(scales)} of "
+        f"scales, {_size(rest)} in its other dtypes"
+    )
+
+
+def _size(size: int) -> str:
+    """``size`` bytes in MiB below a GiB, else GiB (3 significant digits)."""
+    return f"{size / 2**20:.3g} MiB" if size < 2**30 else f"{size / 2**30:.3g} GiB"
+
+
+def _kind(name: str) -> str:
+    """The kind of FP8 weight ``name`` (the MTP head's counted apart)."""
+    head = "MTP-head " if name.startswith("mtp.") else ""
+    if ".experts." in name:
+        return f"{head}routed-expert weights"
+    for key, kind in (
+        ("self_attn.", "attention"),
+        ("linear_attn.", "Gated DeltaNet"),
+        ("shared_expert.", "shared-expert"),
+    ):
+        if key in name:
+            return f"{head}{kind} projections"
+    return f"{head}other projections"
 
 
 def converted_form(name: str, block: tuple[int, int]) -> BlockFormat | None:

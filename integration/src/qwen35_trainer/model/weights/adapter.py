@@ -34,10 +34,13 @@ import re
 from qwen35_trainer.model.weights.files import CheckpointFiles
 from qwen35_trainer.model.weights.stored import Stored
 
-__all__ = ["StateDictAdapter", "expert_layout", "on_disk"]
+__all__ = ["StateDictAdapter", "expert_layout", "fp8_weights", "on_disk"]
 
 _STACKED = re.compile(r"^(?P<base>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT_PART = re.compile(
+    r"^(?P<base>.+\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
 
 # The one runtime prefix whose experts are written per expert (the public MTP layout).
 _PER_EXPERT_ON_DISK = "mtp."
@@ -151,3 +154,21 @@ def expert_layout(files: CheckpointFiles) -> str | None:
     if any(_STACKED.match(key) for key in decoder):
         return "stacked"
     return None
+
+
+def fp8_weights(files: CheckpointFiles) -> set[str]:
+    """The runtime weights ``files`` store in float8 (``F8_E4M3``): a dense ``…weight``, or the
+    routed experts' ``…experts.gate_up_proj`` / ``down_proj`` whose parts (stacked, or every
+    expert's) are float8."""
+    out = set()
+    for key in files.where:
+        if files.dtype(key) != "F8_E4M3":
+            continue
+        part = _PER_EXPERT_PART.match(key)
+        if part is not None:
+            out.add(
+                f"{part['base']}.{'down_proj' if part['proj'] == 'down_proj' else 'gate_up_proj'}"
+            )
+        else:
+            out.add(key)
+    return out

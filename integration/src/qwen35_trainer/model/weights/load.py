@@ -74,6 +74,15 @@ class CheckpointSource:
             self._unreadable = True
             problems.append(str(err))
             return {}
+        float8 = [k for k in files.where if files.dtype(k) == "F8_E4M3"]
+        if float8 and self.block is None:  # one reason for every float8 tensor: said once
+            self._unreadable = True
+            problems.append(
+                f"checkpoint {self.path}: {len(float8)} tensor(s) are F8_E4M3 on disk (e.g. "
+                f"{float8[0]}) but its config.json has no quantization_config giving their "
+                "block size (weight_block_size): restore the checkpoint's quantization_config"
+            )
+            return {}
         adapter = StateDictAdapter(files, skipped=() if mtp else (MTP_PREFIX,), block=self.block)
         mtp_absent = bool(mtp) and not any(k.startswith(MTP_PREFIX) for k in files.where)
         if mtp_absent and self.init_missing_mtp:
