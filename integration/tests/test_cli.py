@@ -28,17 +28,18 @@ def _losses(text: str) -> list[float]:
 
 def test_main_command_trains_on_4_workers_and_fills_the_run_folder(capfd, tmp_path):
     """``qwen35-train tiny``, shortened to 30 steps: 4 workers (DP 2 × CP 2, EP 2) started by
-    the command itself; rank 0 alone prints, first what runs (layout, precision, kernels, data,
-    run folder), and no warning; the loss falls; the run folder has the resolved recipe, every
-    metric of every step, TensorBoard events, the plot and 4 rank logs."""
+    the command itself; rank 0 alone prints, first what runs (layout, precision, kernels,
+    parameters, data, run folder), and no warning; the loss falls; the run folder has the
+    resolved recipe, every metric of every step, TensorBoard events, the plot and 4 rank
+    logs."""
     out_dir = tmp_path / "run"
     args = ["train.steps=30", "train.eval_every=10", f"train.output_dir={out_dir}"]
     assert main(["tiny", *(a for item in args for a in ("--set", item))]) == 0
     out, err = capfd.readouterr()
     said = [line.removeprefix("qwen35-train: ") for line in err.splitlines()]
-    opening = [line.split(":")[0] for line in said[1:6]]
-    assert opening == ["layout", "precision", "kernels", "data", "run folder"], err
-    assert said[1].startswith("layout: dp_replicate 1 x dp 2 x cp 2 x tp 1, ep 2"), err
+    opening = [line.split(":")[0] for line in said[1:7]]
+    assert opening == ["layout", "precision", "kernels", "parameters", "data", "run folder"], err
+    assert said[1].startswith("layout: pp 1 x dp_replicate 1 x dp 2 x cp 2 x tp 1, ep 2"), err
     for noise in ("returned a view tensor", "CUDA_HOME", "sequential all_reduce", "Warning"):
         assert noise not in err, err  # nothing a user would read as "my run may be wrong"
     losses = _losses(out)
