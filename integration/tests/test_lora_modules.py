@@ -196,7 +196,9 @@ def test_init_from_our_own_exports_round_trips(base, tmp_path):
 
 def test_init_from_refuses_an_adapter_of_another_shape(base, tmp_path):
     _peft_adapter(base, tmp_path / "adapter")
-    with pytest.raises(ValueError, match=r"init_from .* does not fit .*rank 8.*adapter of rank 4"):
+    with pytest.raises(
+        ValueError, match=r"init_from .* does not fit .*rank 8.*the file's adapter of rank 4"
+    ):
         build_model(
             _recipe(
                 base, INIT.format(tmp_path / "adapter").replace("rank: 4,", "rank: 8,", 1)
@@ -211,6 +213,25 @@ def test_init_from_refuses_an_adapter_of_another_shape(base, tmp_path):
                 base, INIT.format(tmp_path / "adapter").replace("train_modules: [lm_head], ", "")
             ).model
         )
+
+
+def test_init_from_says_what_it_loaded_and_what_starts_from_the_base(base, tmp_path, caplog):
+    """The log names the file, its r / lora_alpha / scale against the recipe's, the modules
+    trained in full it loaded, and those the recipe trains in full that the folder did not
+    save (they start from the base checkpoint); a folder that is not there is said to be
+    missing."""
+    _peft_adapter(base, tmp_path / "adapter")
+    lora = INIT.format(tmp_path / "adapter").replace("[lm_head]", "[lm_head, mlp.gate]")
+    with caplog.at_level("INFO", logger="qwen35_trainer"):
+        build_model(_recipe(base, lora).model)
+    said = caplog.text
+    assert f"{tmp_path / 'adapter' / 'adapter_model.safetensors'}" in said, said
+    assert "the file's r=4, lora_alpha=12 (scale 3)" in said, said
+    assert "the recipe's scale 16 (rank 4, alpha 64)" in said, said
+    assert "modules trained in full loaded: ['lm_head']" in said, said
+    assert "mlp.gate" in said and "start from the base checkpoint" in said, said
+    with pytest.raises(ValueError, match=r"init_from: .*/nowhere does not exist"):
+        build_model(_recipe(base, INIT.format(tmp_path / "nowhere")).model)
 
 
 def test_a_run_started_from_an_adapter_resumes_exactly(base, tmp_path):

@@ -74,7 +74,25 @@ def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     base = data.pop("base", None)
     if base is None:
         return data
-    return _merge(_read(path.parent / base, (*seen, path)), data)
+    return _merge(_read(_base_file(path, base), (*seen, path)), data)
+
+
+def _base_file(path: Path, base: Any) -> Path:
+    """The file recipe ``path``'s ``base:`` names: a file beside it (or at that path), else a
+    built-in recipe of that name (``tiny``, ``qwen3_5_35b_a3b``, ``base`` ...); ``ValueError``
+    naming both possibilities otherwise."""
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"{path}: base must be a recipe file or a built-in recipe's name")
+    beside = path.parent / Path(base).expanduser()
+    if beside.is_file():
+        return beside
+    builtin = BUILTIN_RECIPES / f"{base.removesuffix('.yaml')}.yaml"
+    if "/" not in base and builtin.is_file():  # a bare name: tiny, base.yaml, ...
+        return builtin
+    raise ValueError(
+        f"{path}: base {base!r} is neither a file ({beside}) nor a built-in recipe (built-in: "
+        f"{', '.join(['base', *builtin_recipes()])})"
+    )
 
 
 def _override(data: dict[str, Any], item: str) -> dict[str, Any]:

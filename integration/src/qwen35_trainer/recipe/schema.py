@@ -38,13 +38,14 @@ class DataRecipe:
     Synthetic: text tokens around ``images_per_sample`` images whose patch grids [t, h, w] are
     drawn from ``image_grids``; ``samples_per_rank`` per rank and step, as right-padded rows,
     or with ``packing`` as ONE row of concatenated documents kept apart in every layer
-    (:mod:`qwen35_trainer.data.packing`). ``text_only``: ``[period, count]`` — the last
+    (:mod:`qwen35_trainer.data.packing`). ``packing`` unset (``null``): true with a dataset
+    (whose rows are always packed), false for the synthetic stream. ``text_only``: ``[period, count]`` — the last
     ``count`` of every ``period`` samples carry no image (text-only rows). ``pack_length``: the
     capacity of a packed row in tokens (the planner's sequence length; a longer synthetic row
     is refused); ``None``: as long as its documents."""
 
     samples_per_rank: int = 2
-    packing: bool = False
+    packing: bool | None = None
     text_tokens: tuple[int, int] = (8, 24)
     image_grids: tuple[tuple[int, int, int], ...] = ((1, 4, 4),)
     images_per_sample: int = 1
@@ -87,6 +88,8 @@ class DataRecipe:
     def __post_init__(self) -> None:
         lo, hi = self.text_tokens
         dataset = self.dataset
+        if self.packing is None:  # a dataset's rows are packed; synthetic ones right-padded
+            object.__setattr__(self, "packing", dataset)
         refuse(
             "data",
             {

@@ -126,10 +126,19 @@ def trained_modules(model: nn.Module, keys) -> list[str]:
         unmatched += [] if names else [key]
         found += names
     if unmatched:
+        head = hasattr(model, "mtp")
+        absent = (
+            ""
+            if head or "mtp" not in unmatched
+            else (
+                "; the model has no multi-token-prediction head to train (model.mtp_layers: 0, or "
+                "a checkpoint without mtp.*): drop mtp from train_modules"
+            )
+        )
         raise ValueError(
             f"model.lora.train_modules {unmatched} match no module of the model (e.g. "
             "lm_head, model.language_model.embed_tokens or embed_tokens, mlp.gate for the "
-            "routers, norm, visual or visual.merger, mtp)"
+            f"routers, norm, visual or visual.merger{', mtp' if head else ''}){absent}"
         )
     outer = sorted({n for n in found if not any(n.startswith(f"{o}.") for o in found)})
     adapted = []

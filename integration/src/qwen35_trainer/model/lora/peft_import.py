@@ -96,8 +96,9 @@ def _dense(adapter: _Adapter, name: str, module: LoRALinear, s: float):
     rank, s_file = _scale(adapter.config, name)
     if a.shape != module.lora_A.shape or b.shape != module.lora_B.shape:
         adapter.problems.append(
-            f"{name}: adapter of rank {rank} ({list(a.shape)}, {list(b.shape)}), the recipe's "
-            f"{list(module.lora_A.shape)}, {list(module.lora_B.shape)}"
+            f"{name}: the file's adapter of rank {a.shape[0]} (r {rank}; {list(a.shape)}, "
+            f"{list(b.shape)}), the recipe's of rank {module.lora_A.shape[0]} "
+            f"({list(module.lora_A.shape)}, {list(module.lora_B.shape)})"
         )
         return {}
     return {f"{name}.lora_A": a, f"{name}.lora_B": b * (s_file / s)}
@@ -153,8 +154,9 @@ def _experts(adapter: _Adapter, name: str, module: Experts):
         want_a, want_b = getattr(module, f"lora_{part}_A"), getattr(module, f"lora_{part}_B")
         if a.shape != want_a.shape or b.shape != want_b.shape:
             adapter.problems.append(
-                f"{name} {part}_proj: adapters {list(a.shape)}, {list(b.shape)}, the recipe's "
-                f"{list(want_a.shape)}, {list(want_b.shape)} (model.lora.expert_rank)"
+                f"{name} {part}_proj: the file's adapters of rank {a.shape[1]} "
+                f"({list(a.shape)}, {list(b.shape)}), the recipe's of rank {want_a.shape[1]} "
+                f"({list(want_a.shape)}, {list(want_b.shape)}; model.lora.expert_rank)"
             )
             continue
         out[f"{name}.lora_{part}_A"] = a
@@ -256,7 +258,7 @@ def _report(adapter: _Adapter, lora, s: float, tensors: int, trained) -> None:
     rank, s_file = _scale(config, "")
     logger.info(
         "model.lora.init_from %s: %d tensors; the file's r=%s, lora_alpha=%s (scale %.4g%s), "
-        "read under the recipe's scale %.4g (rank %d, alpha %s); modules trained in full "
+        "read under the recipe's scale %.4g (rank %d, alpha %g); modules trained in full "
         "loaded: %s%s",
         adapter.folder / "adapter_model.safetensors",
         tensors,
