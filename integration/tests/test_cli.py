@@ -37,15 +37,18 @@ def test_main_command_trains_on_4_workers_and_fills_the_run_folder(capfd, tmp_pa
     assert main(["tiny", *(a for item in args for a in ("--set", item))]) == 0
     out, err = capfd.readouterr()
     said = [line.removeprefix("qwen35-train: ") for line in err.splitlines()]
-    opening = [line.split(":")[0] for line in said[1:7]]
+    assert said[0] == "starting 4 local workers: dp 2 x cp 2 (--nproc N changes dp)", err
+    opening = [line.split(":")[0] for line in said[2:8]]
     assert opening == ["layout", "precision", "kernels", "parameters", "data", "run folder"], err
-    assert said[1].startswith("layout: pp 1 x dp_replicate 1 x dp 2 x cp 2 x tp 1, ep 2"), err
+    assert said[2].startswith("layout: pp 1 x dp_replicate 1 x dp 2 x cp 2 x tp 1, ep 2"), err
     for noise in ("returned a view tensor", "CUDA_HOME", "sequential all_reduce", "Warning"):
         assert noise not in err, err  # nothing a user would read as "my run may be wrong"
     losses = _losses(out)
     assert len(losses) == 30, out  # one line per step: only rank 0 prints
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+    assert "tok/s (warm-up)" in out.splitlines()[0] and "warm-up" not in out.splitlines()[1]
     assert out.strip().splitlines()[-1].startswith("done: steps 1..30 of 30")
+    assert "tok/s after the first step" in out.strip().splitlines()[-1]
     resolved = recipe_from_dict(yaml.safe_load((out_dir / "recipe.yaml").read_text()))
     assert resolved == load_recipe("tiny", args)
     records = step_records(out_dir / "metrics.jsonl")

@@ -196,9 +196,15 @@ def test_the_printed_command_plans_the_best_layout(searched, capsys):
 def test_search_command(capsys):
     sets = [a for item in PACKED for a in ("--set", item)]
     assert main(["plan", str(TINY), *sets, "--search", "--pp", "2", "--node-gpus", "2"]) == 0
-    out = capsys.readouterr().out
+    said = capsys.readouterr()
+    out = said.out
     assert "search: " in out and "best: PP 2" in out
     assert "qwen35-train plan " in out.splitlines()[-1] and "parallel.pp=2" in out
+    rows = [line for line in out.splitlines() if line.startswith("  PP 2")]
+    assert rows and len(rows) == len(set(rows))  # each candidate once, in the ranked table
+    assert said.err.count("searched:") == len(rows)  # the progress goes to stderr
+    command = out.splitlines()[-1]
+    assert "pp_microbatches" not in command and "dp_replicate=1" not in command  # no no-op sets
     assert main(["plan", str(TINY), *sets, "--search", "--node-gpus", "0"]) == 2
     assert "--node-gpus must be >= 1, got 0" in capsys.readouterr().err
     # no layout fits: exit 3

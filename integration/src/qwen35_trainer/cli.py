@@ -317,6 +317,7 @@ def _main(argv: list[str] | None) -> int:
             say(str(err))
             return EXIT_BAD_RECIPE
         sets = [a for item in [*args.overrides, *extra] for a in ("--set", item)]
+        say(f"starting {recipe.parallel.world} local workers: {_world_product(recipe.parallel)}")
         return launch([args.recipe, *sets], recipe.parallel.world, args.max_restarts)
     if printing:
         logging.basicConfig(level=logging.INFO, format="qwen35-train: %(message)s")
@@ -337,6 +338,13 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_INTERNAL
     console.close(logs, recipe.train.output_dir)
     return 0
+
+
+def _world_product(p) -> str:
+    """How the recipe's degrees make its worker count (``--nproc N`` changes dp)."""
+    degrees = [f"{name} {getattr(p, name)}" for name in ("pp", "dp_replicate", "dp", "cp", "tp")]
+    product = " x ".join(d for d in degrees if not d.endswith(" 1")) or "1"
+    return f"{product} (--nproc N changes dp)"
 
 
 if __name__ == "__main__":

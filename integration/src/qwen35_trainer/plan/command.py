@@ -160,11 +160,11 @@ def _search(recipe, args, headroom, gpu, efficiency, memory) -> int:
         gpu_memory_gib=memory,
         pp_values=args.pp,
         planner=functools.partial(plan, headroom=headroom),
-        on_candidate=lambda c: print(format_candidate(c), flush=True),
+        on_candidate=lambda c: print(f"searched:{format_candidate(c)}", file=sys.stderr),
         gpu=gpu,
         efficiency=efficiency,
     )
-    print(format_search(found, str(args.recipe), args.overrides, world, memory, gpu))
+    print(format_search(found, str(args.recipe), args.overrides, world, memory, gpu, recipe))
     if args.json:
         rows = [
             {

@@ -110,12 +110,9 @@ def _layout_sets(recipe, pp: int, replicate: int, dp: int, cp: int, ep: int) -> 
     ]
     if not recipe.data.dataset:
         sets.append(f"data.samples_per_rank={per_step // groups}")
-    if pp > 1:  # what a pipeline run refuses (qwen35_trainer.parallel.pipeline_split)
-        sets.append("parallel.pp_microbatches=null")
-        if recipe.train.eval_every:
-            sets.append("train.eval_every=0")
-        if recipe.train.export_dir:
-            sets.append("train.export_dir=null")
+    stated = recipe.parallel.pp_microbatches
+    if pp > 1 and stated is not None and stated != micro:  # it must equal grad_accum_steps
+        sets.append(f"parallel.pp_microbatches={micro}")
     return sets
 
 

@@ -5,6 +5,9 @@ bytes over nodes) and the command that plans the best layout."""
 from __future__ import annotations
 
 import shlex
+from typing import Any
+
+import yaml
 
 from qwen35_trainer.plan.hardware import Hardware
 from qwen35_trainer.plan.planner import GIB
@@ -46,8 +49,10 @@ def format_search(
     world: int,
     gpu_gib: float,
     gpu: Hardware | None = None,
+    base: Any = None,
 ) -> str:
-    """The ranked table and the ``qwen35-train plan`` command of the best candidate."""
+    """The ranked table and the ``qwen35-train plan`` command of the best candidate (its
+    overrides that change the recipe ``base``, when given)."""
     header = (
         f"  {'layout':<32}{'micro':>6}{'step s':>9}{'tok/s/GPU':>10}{'peak GiB':>10}"
         f"{'bubble':>9}{'inter-node':>12}  (GiB sent per rank and step over groups spanning nodes)"
@@ -63,7 +68,8 @@ def format_search(
     if not found or not found[0].fits:
         lines.append(f"no layout of this step fits in {gpu_gib:g} GiB")
         return "\n".join(lines)
-    sets = [a for item in [*overrides, *found[0].sets] for a in ("--set", item)]
+    changed = [item for item in found[0].sets if base is None or _changes(base, item)]
+    sets = [a for item in [*overrides, *changed] for a in ("--set", item)]
     command = shlex.join(["qwen35-train", "plan", recipe, *sets])
     best = found[0]
     lines += [
@@ -72,3 +78,12 @@ def format_search(
         command,
     ]
     return "\n".join(lines)
+
+
+def _changes(recipe: Any, item: str) -> bool:
+    """Whether override ``section.key=value`` changes ``recipe``."""
+    key, _, raw = item.partition("=")
+    value: Any = recipe
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value != yaml.safe_load(raw)

@@ -175,9 +175,14 @@ class Console:
         if not self.printing:
             return
         if logs:
+            pace = ""
+            if len(logs) > 1:  # the first step warms up (allocations, compiles, prewarms)
+                seconds = sum(log.seconds for log in logs[1:])
+                tokens = sum(log.tokens for log in logs[1:])
+                pace = f", {tokens / seconds:.0f} tok/s after the first step" if seconds else ""
             print(
                 f"done: steps {logs[0].step}..{logs[-1].step} of {self.steps}, "
-                f"loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}; run folder {output_dir}"
+                f"loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}{pace}; run folder {output_dir}"
             )
         else:
             print(f"done: nothing to run, the newest checkpoint already has {self.steps} steps")
@@ -194,10 +199,11 @@ class Console:
     def line(self, log: StepLog) -> str:
         steps = self.steps
         rate = log.tokens / log.seconds if log.seconds > 0 else float("nan")
+        warm = " (warm-up)" if self.first is not None and log.step == self.first[0] else ""
         line = (
             f"step {log.step:>{len(str(steps))}}/{steps}  loss {log.loss:.4f}  ce {log.ce:.4f}  "
             f"aux {log.aux:.4f}  grad_norm {log.grad_norm:.3f}  lr {log.lr:.3g}  "
-            f"tokens {log.tokens}  {rate:.0f} tok/s  {log.seconds * 1000:.0f} ms  "
+            f"tokens {log.tokens}  {rate:.0f} tok/s{warm}  {log.seconds * 1000:.0f} ms  "
             f"eta {self.eta(log)}"
         )
         if log.mtp_loss is not None:

@@ -271,7 +271,8 @@ class StageModule(nn.Module):
                 None if mtp is None else mtp.correct,
             )
         )
-        return step.loss_of(ce, aux, None if mtp is None else mtp.ce).reshape(1)
+        # [1], not a view of the scalar (FSDP2 refuses a module output that is a view)
+        return torch.stack([step.loss_of(ce, aux, None if mtp is None else mtp.ce)])
 
 
 def _tower(vlm: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
