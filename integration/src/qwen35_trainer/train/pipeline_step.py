@@ -18,7 +18,6 @@ and decides on the same global numbers.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import torch
@@ -32,6 +31,7 @@ from qwen35_trainer.train.step import (
     StepResult,
     all_reduce_loss_group,
     count_targets,
+    finish_step,
     micro_flops,
     total_loss,
     train_step,
@@ -68,31 +68,14 @@ def pipeline_step(
     if before_clip is not None:
         before_clip()
     grad_norm = clip_grad_norm(objective.parameters(), grad_clip, across=pipe.group, device=device)
-    depth = objective.mtp_depth
-    ce, aux, mtp = _last_stage_sums(pipe.last, depth, device)
+    ce, aux, mtp = _last_stage_sums(pipe.last, objective.mtp_depth, device)
     flops = micro_flops(objective.model.config, micro, layout) / dist.get_world_size(pipe.group)
-    totals = torch.cat([torch.stack([ce, aux, torch.tensor(flops, device=device)]), mtp])
-    totals = all_reduce_loss_group(totals.double(), layout)
-    dist.all_reduce(totals, group=pipe.group)
-    losses = torch.cat([totals[:2], totals[3:]])
-    applied = math.isfinite(grad_norm) and bool(losses.isfinite().all())
-    if applied:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    totals, applied = finish_step(
+        optimizer, grad_norm, ce, aux, mtp, flops, layout, across=pipe.group
+    )
     peak, idle = _router_load(pipe, layout, device, objective.router.sequence_group)
     cp_imbalance = max(p.layout.compute_imbalance for _, p in micro)
-    return StepResult(
-        ce=float(totals[0]),
-        aux=float(totals[1]),
-        grad_norm=grad_norm,
-        tokens=num_valid,
-        expert_load_max_over_mean=peak,
-        experts_idle=idle,
-        cp_imbalance=float(cp_imbalance),
-        flops=float(totals[2]),
-        applied=applied,
-        mtp=tuple(float(x) for x in totals[3:]),
-    )
+    return StepResult.of(totals, grad_norm, num_valid, peak, idle, float(cp_imbalance), applied)
 
 
 def _last_stage_sums(last, depth: int, device: torch.device):

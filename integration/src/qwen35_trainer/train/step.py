@@ -32,6 +32,7 @@ __all__ = [
     "StepResult",
     "all_reduce_loss_group",
     "count_targets",
+    "finish_step",
     "micro_flops",
     "total_loss",
     "train_step",
@@ -52,6 +53,22 @@ class StepResult:
     flops: float = 0.0
     applied: bool = True  # False: a non-finite loss or gradient norm, the update not applied
     mtp: tuple[float, ...] = ()  # each MTP depth's cross-entropy (none without the head)
+
+    @classmethod
+    def of(cls, totals, grad_norm, tokens, peak, idle, cp_imbalance, applied) -> StepResult:
+        """The result of a step whose global ``totals`` are :func:`finish_step`'s."""
+        return cls(
+            ce=float(totals[0]),
+            aux=float(totals[1]),
+            grad_norm=grad_norm,
+            tokens=tokens,
+            expert_load_max_over_mean=peak,
+            experts_idle=idle,
+            cp_imbalance=cp_imbalance,
+            flops=float(totals[2]),
+            applied=applied,
+            mtp=tuple(float(x) for x in totals[3:]),
+        )
 
 
 def total_loss(ce, aux, mtp, aux_coef: float, mtp_weight: float):
@@ -146,28 +163,38 @@ def train_step(
         before_clip()
     grad_norm = clip_grad_norm(objective.parameters(), grad_clip)
     flops = micro_flops(objective.model.config, micro, layout)
-    totals = all_reduce_loss_group(
-        torch.cat([torch.stack([ce, aux, torch.tensor(flops, device=device)]), mtp]).double(),
-        layout,
+    totals, applied = finish_step(optimizer, grad_norm, ce, aux, mtp, flops, layout)
+    load = all_reduce_loss_group(load, layout).float()  # [layers, experts] tokens routed
+    mean = load.mean(dim=1).clamp(min=1e-9)
+    cp_imbalance = max(p.layout.compute_imbalance for _, p in micro) if micro[0][1] else 1.0
+    return StepResult.of(
+        totals,
+        grad_norm,
+        num_valid,
+        float((load.max(dim=1).values / mean).max()),
+        int((load == 0).sum()),
+        float(cp_imbalance),
+        applied,
     )
-    # the norm (over every mesh) and the loss totals are global: every rank decides alike
+
+
+def finish_step(
+    optimizer, grad_norm: float, ce, aux, mtp, flops: float, layout: Layout, across=None
+) -> tuple[torch.Tensor, bool]:
+    """``(totals, applied)``: this rank's sums ``ce``, ``aux``, ``flops`` and ``mtp`` [D] made
+    global (the loss group; ``across``: also the pipeline group, whose other stages add zeros),
+    as ``[ce, aux, flops, *mtp]`` fp64; the optimizer step taken only when the gradient norm
+    and the global losses are finite (they are global, so every rank decides alike), and the
+    gradients zeroed either way."""
+    flops_1 = torch.tensor([flops], device=ce.device)
+    totals = all_reduce_loss_group(
+        torch.cat([ce.reshape(1), aux.reshape(1), flops_1, mtp]).double(), layout
+    )
+    if across is not None:
+        dist.all_reduce(totals, group=across)
     losses = torch.cat([totals[:2], totals[3:]])
     applied = math.isfinite(grad_norm) and bool(losses.isfinite().all())
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    load = all_reduce_loss_group(load, layout).float()  # [layers, experts] tokens routed
-    mean = load.mean(dim=1).clamp(min=1e-9)
-    cp_imbalance = max(p.layout.compute_imbalance for _, p in micro) if micro[0][1] else 1.0
-    return StepResult(
-        ce=float(totals[0]),
-        aux=float(totals[1]),
-        grad_norm=grad_norm,
-        tokens=num_valid,
-        expert_load_max_over_mean=float((load.max(dim=1).values / mean).max()),
-        experts_idle=int((load == 0).sum()),
-        cp_imbalance=float(cp_imbalance),
-        flops=float(totals[2]),
-        applied=applied,
-        mtp=tuple(float(x) for x in totals[3:]),
-    )
+    return totals, applied
