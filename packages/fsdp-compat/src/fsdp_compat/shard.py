@@ -28,6 +28,7 @@ rank, so all ranks raise together and none is left waiting in a collective.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,54 +137,70 @@ def shard_model(
     reduction = options.pop("grad_reduction", "mean")
     if reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {reduction!r}")
+    request = _Request(model, mesh, shard, replicate, ep_dim, reshard_after_forward,
+                       mixed_precision, optimizer, options, reduction == "sum")  # fmt: skip
     units, unit_classes = resolve_unit_modules(model, unit_modules)
     if backend == "fsdp2":
-        return _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard_after_forward,
-                      mixed_precision, optimizer, options, expert_mesh, reduction)  # fmt: skip
+        return _fsdp2(request, units, expert_mesh)
     if expert_mesh is not None:
         raise ValueError(
             "expert_mesh is an FSDP2 option: megatron-fsdp derives its expert groups itself"
         )
-    return _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard_after_forward,
-                     mixed_precision, optimizer, options, reduction)  # fmt: skip
+    return _megatron(request, unit_classes)
 
 
-def _fsdp2(model, mesh, shard, replicate, ep_dim, units, reshard, mp, optimizer, options,
-           expert_mesh, reduction):  # fmt: skip
+@dataclasses.dataclass
+class _Request:
+    """What :func:`shard_model` was asked, checked: what both backends read (``shard`` /
+    ``replicate``: the dims; ``sum_reduction``: ``grad_reduction == "sum"``)."""
+
+    model: nn.Module
+    mesh: DeviceMesh
+    shard: tuple[str, ...]
+    replicate: tuple[str, ...]
+    ep_dim: str
+    reshard: bool | int | None
+    precision: MixedPrecision | None
+    optimizer: torch.optim.Optimizer | None
+    options: dict[str, Any]
+    sum_reduction: bool
+
+
+def _fsdp2(r: _Request, units: list[nn.Module], expert_mesh: DeviceMesh | None) -> nn.Module:
     from fsdp_compat.fsdp2 import shard_fsdp2
 
-    megatron_only = sorted({"tp_dim", "report_nan"} & set(options))
+    megatron_only = sorted({"tp_dim", "report_nan"} & set(r.options))
     if megatron_only:
         raise ValueError(
             f"backend_options {megatron_only} are megatron-fsdp options; FSDP2 reads TP from the "
             "DTensor parameters and has no NaN report"
         )
-    ep_units = ep_modules(model, ep_dim)
-    shard_mesh = _hsdp_mesh(mesh, replicate, shard)
+    ep_units = ep_modules(r.model, r.ep_dim)
     ep_mesh = expert_mesh
     if ep_units and ep_mesh is None:
-        ep_mesh = _hsdp_mesh(
-            mesh, tuple(d for d in replicate if d != ep_dim), tuple(d for d in shard if d != ep_dim)
-        )
+        without_ep = [tuple(d for d in dims if d != r.ep_dim) for dims in (r.replicate, r.shard)]
+        ep_mesh = _hsdp_mesh(r.mesh, *without_ep)
     return shard_fsdp2(
-        model,
+        r.model,
         units=units,
         ep_units=ep_units,
-        shard_mesh=shard_mesh,
+        shard_mesh=_hsdp_mesh(r.mesh, r.replicate, r.shard),
         ep_mesh=ep_mesh,
-        reshard_after_forward=reshard,
-        mixed_precision=mp,
-        optimizer=optimizer,
-        names=_optimizer_names(model, optimizer),
-        options=options,
-        sum_reduction=reduction == "sum",
+        reshard_after_forward=r.reshard,
+        mixed_precision=r.precision,
+        optimizer=r.optimizer,
+        names=_optimizer_names(r.model, r.optimizer),
+        options=r.options,
+        sum_reduction=r.sum_reduction,
     )
 
 
-def _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard, mp, optimizer, options,
-              reduction):  # fmt: skip
+def _megatron(r: _Request, unit_classes) -> nn.Module:
     from fsdp_compat.megatron import build_megatron_call, check_megatron_tp_params
     from fsdp_compat.megatron_optim import attach_optimizer
+
+    model, mesh, shard, replicate, options = r.model, r.mesh, r.shard, r.replicate, r.options
+    ep_dim, optimizer = r.ep_dim, r.optimizer
 
     check_megatron_tp_params(model)  # before any process group is created
     tp_dim = options.pop("tp_dim", None) or _megatron_tp_dim(model, mesh, ep_dim)
@@ -206,10 +223,10 @@ def _megatron(model, mesh, shard, replicate, ep_dim, unit_classes, reshard, mp, 
         hybrid_mesh=hybrid_mesh,
         tp_dim=tp_dim,
         unit_classes=unit_classes,
-        reshard_after_forward=reshard,
-        mixed_precision=mp,
+        reshard_after_forward=r.reshard,
+        mixed_precision=r.precision,
         report_nan=report_nan,
-        sum_reduction=reduction == "sum",
+        sum_reduction=r.sum_reduction,
         options=options,
     )
     wrapper = fn(**kwargs)
@@ -276,22 +293,10 @@ def shard_modules(
     whose trained modules must be cast for the compute (``mixed_precision``), as one process
     training adapters and a few modules in full does. ``shard_dims`` and ``grad_reduction`` as
     for :func:`shard_model`."""
-    from fsdp_compat.fsdp2 import shard_fsdp2
-
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
-    shard_mesh = flatten_mesh(mesh, _dims("shard_dims", shard_dims, allow_empty=False))
+    shard = _dims("shard_dims", shard_dims, allow_empty=False)
     for module in modules:
-        shard_fsdp2(
-            module,
-            units=[],
-            ep_units=[],
-            shard_mesh=shard_mesh,
-            ep_mesh=None,
-            reshard_after_forward=None,
-            mixed_precision=mixed_precision,
-            optimizer=None,
-            names=None,
-            options={},
-            sum_reduction=grad_reduction == "sum",
-        )
+        request = _Request(module, mesh, shard, (), "ep", None, mixed_precision, None, {},
+                           grad_reduction == "sum")  # fmt: skip
+        _fsdp2(request, [], None)
