@@ -35,26 +35,18 @@ label counts (the aux loss per micro-batch over ``M`` micro-batches, as the step
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from chunked_loss import linear_cross_entropy
 from cp_varlen_attn import shard_sequence
-from cp_varlen_attn.transformers import embed_packed_row
-from moe_parallel import balancing_loss_of, router_statistics, sdpa_preserving_context
-from qwen35_trainer.data import IGNORE_INDEX
-from qwen35_trainer.data.batch import present_media
-from qwen35_trainer.model.accuracy import ACCURACY_CHUNK, count_correct
+from moe_parallel import router_statistics
 from qwen35_trainer.model.build import moe_blocks
-from qwen35_trainer.model.mtp import mtp_shares
-from qwen35_trainer.model.objective import LossShares, head_weights, valued_as_summed
-from qwen35_trainer.model.packed import dummy_vision, image_features
+from qwen35_trainer.model.objective import LossShares
+from qwen35_trainer.model.pipeline.ends import embed_row, stage_loss
 from qwen35_trainer.model.whole import Elsewhere
 
 __all__ = ["StageModule", "StepInputs", "keep_stages"]
@@ -148,11 +140,10 @@ class StageModule(nn.Module):
 
     def forward(self, index_11: torch.Tensor, *received: torch.Tensor):
         batch, packed = self.inputs.micro[int(index_11)]
-        vlm = self.model.model
         rank = dist.get_rank(packed.group) if packed.group is not None else 0
         layout = packed.layout
         if self.first:
-            hidden, prob_sum, counts, embeds = self._embed(vlm, batch, packed, rank)
+            hidden, prob_sum, counts, embeds = embed_row(self, batch, packed, rank)
         else:
             hidden, prob_sum, counts, *rest = received
             embeds = rest[0] if rest else None
@@ -171,27 +162,7 @@ class StageModule(nn.Module):
         if not self.last:
             out = (index_11, hidden, prob_sum, counts)
             return out if embeds is None else (*out, embeds.clone())
-        return self._loss(batch, packed, rank, hidden, prob_sum, counts, embeds)
-
-    def _embed(self, vlm: nn.Module, batch: Any, packed: Any, rank: int):
-        """The first stage's inputs: the whole row embedded (vision features in place), this
-        rank's tokens of it, and empty router statistics."""
-        row = {"input_ids": batch.input_ids, **present_media(batch)}
-        vision = None
-        if packed.group is not None:  # frames sharded over the CP ranks
-            vision = functools.partial(image_features, vlm, group=packed.group)
-        elif self.tower_checkpoint:  # the model's own tower call (embed_packed_row's default)
-            vision = functools.partial(_tower, vlm)
-        if self.tower_checkpoint:
-            vision = functools.partial(_checkpointed, vision)
-        embeds = embed_packed_row(vlm, row, vision=vision)
-        experts = self.blocks[0][0].num_experts
-        prob_sum = torch.zeros(experts, device=embeds.device)
-        counts = torch.zeros(experts + 1, device=embeds.device)
-        hidden = shard_sequence(embeds, packed.layout, rank, dim=1)
-        if not batch.has_media:  # every rank runs the tower (objective.py's reason); adds 0
-            hidden = hidden + 0.0 * dummy_vision(vlm).sum().to(hidden.dtype)
-        return hidden, prob_sum, counts, embeds if hasattr(self.model, "mtp") else None
+        return stage_loss(self, batch, packed, rank, hidden, prob_sum, counts, embeds)
 
     def _layers(self, hidden_BTH: torch.Tensor, packed: Any, rank: int) -> torch.Tensor:
         """This stage's decoder layers, called as transformers' text model calls them."""
@@ -213,87 +184,3 @@ class StageModule(nn.Module):
                 cp_group=packed.group,
             )
         return hidden_BTH
-
-    def _aux(self, prob_sum: torch.Tensor, counts: torch.Tensor, loss_group: Any) -> torch.Tensor:
-        """This rank's share of the load-balancing loss of every layer. Under sequence
-        parallelism each TP rank's statistics are of its slice, counted over every rank routing
-        other tokens; its VALUE is the TP ranks' shares summed, so the loss group's totals are
-        as without SP, its gradient its own (``RouterLogits.aux_share``'s rule)."""
-        if self.sequence_group is None:
-            return balancing_loss_of(prob_sum, counts, group=loss_group)
-        local = balancing_loss_of(prob_sum, counts, group=self.aux_group)
-        return valued_as_summed(local, self.sequence_group)
-
-    def _loss(self, batch, packed, rank, hidden_BTH, prob_sum, counts, embeds):
-        """The last stage: the micro-batch's share of the step's loss (module docstring)."""
-        step = self.inputs
-        hidden_BTH = self.norm(hidden_BTH)
-        labels = torch.nn.functional.pad(batch.labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        labels_BT = shard_sequence(labels, packed.layout, rank, dim=1)
-        head = head_weights(self.lm_head, hidden_BTH.dtype)
-        ce = linear_cross_entropy(
-            hidden_BTH,
-            head.weight,
-            labels_BT,
-            bias=head.bias,
-            ignore_index=IGNORE_INDEX,
-            chunk_size=self.loss_chunk_size,
-            num_valid_tokens=step.num_valid,
-            grad_in_forward=False if self.backward_twice else None,
-        )
-        aux = self._aux(prob_sum, counts, step.loss_group) / len(step.micro)
-        chunk = (self.loss_chunk_size or ACCURACY_CHUNK) if step.accuracy else None
-        correct = None
-        if step.accuracy:
-            correct = count_correct(hidden_BTH, head.weight, head.bias, labels_BT, chunk)
-        mtp = None
-        if embeds is not None:
-            mtp = mtp_shares(
-                self.mtp,
-                self.model.model.language_model,
-                head,
-                hidden_BTH,
-                embeds,
-                batch.labels,
-                packed,
-                step.num_mtp,
-                loss_group=step.loss_group,
-                chunk_size=self.loss_chunk_size,
-                accuracy_chunk=chunk,
-            )
-        self.shares.append(
-            LossShares(
-                ce.detach(),
-                aux.detach(),
-                step.num_valid,
-                correct,
-                None if mtp is None else mtp.ce.detach(),
-                None if mtp is None else mtp.correct,
-            )
-        )
-        # [1], not a view of the scalar (FSDP2 refuses a module output that is a view)
-        return torch.stack([step.loss_of(ce, aux, None if mtp is None else mtp.ce)])
-
-
-def _tower(vlm: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    """[media tokens, D]: the tower's merged features, as transformers' model computes them."""
-    return torch.cat(vlm.get_image_features(pixels, grid, return_dict=True).pooler_output)
-
-
-def _checkpointed(vision: Callable, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    """``vision(pixels, grid)`` checkpointed whole: the forward keeps its input pixels only and
-    the backward runs the tower again (its blocks checkpointed inside, as without PP). The
-    first stage holds the saved tensors of every micro-batch in flight (up to ``pp`` under
-    1F1B), so the tower's per-block inputs are kept for the one micro-batch whose backward
-    runs, not for each. The recompute equals the forward: the tower draws no random numbers
-    (the RNG state is restored anyway) and the SDPA backend and callable of the forward are
-    restored (:func:`moe_parallel.sdpa_preserving_context`); under CP its frame all-gather runs
-    again on every CP rank, as each recomputes the same micro-batch."""
-    return checkpoint(
-        vision,
-        pixels,
-        grid,
-        use_reentrant=False,
-        preserve_rng_state=True,
-        context_fn=sdpa_preserving_context,
-    )
