@@ -17,8 +17,9 @@ from qwen35_trainer.cli import main
 from qwen35_trainer.parallel import ParallelDims
 from qwen35_trainer.plan import Headroom
 from qwen35_trainer.plan.memory import Memory
+from qwen35_trainer.plan.nodes import crossing_groups
 from qwen35_trainer.plan.planner import GIB, Plan
-from qwen35_trainer.plan.search import candidates, crossing_groups, search
+from qwen35_trainer.plan.search import candidates, search
 
 # the tiny recipe's layout (DP 2 x CP 2 with EP 2) on packed rows: 8 samples per step, 2 per
 # micro-batch and group

@@ -20,8 +20,8 @@ from qwen35_trainer.model.flops import KINDS, forward_flops, training_flops
 from qwen35_trainer.parallel import ParallelDims
 from qwen35_trainer.plan.hardware import GPUS, Hardware, hardware
 from qwen35_trainer.plan.memory import Memory
+from qwen35_trainer.plan.nodes import crossing_groups
 from qwen35_trainer.plan.planner import Plan, Step, row_shape
-from qwen35_trainer.plan.search import crossing_groups
 from qwen35_trainer.plan.stages import StageView
 from qwen35_trainer.plan.timing import Efficiency, step_time
 from qwen35_trainer.plan.traffic import communication

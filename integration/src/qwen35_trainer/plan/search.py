@@ -35,15 +35,14 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator
 
-import torch
-
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.parallel import ParallelDims
 from qwen35_trainer.plan.hardware import Hardware, hardware
+from qwen35_trainer.plan.nodes import crossing_groups
 from qwen35_trainer.plan.planner import GIB, Plan, plan
 from qwen35_trainer.plan.timing import Efficiency, StepTime, step_time
 
-__all__ = ["Candidate", "candidates", "crossing_groups", "inter_node_bytes", "search"]
+__all__ = ["Candidate", "candidates", "inter_node_bytes", "search"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,37 +136,6 @@ def candidates(
                 ep = max(d for d in _divisors(math.gcd(shard, experts)) if d <= max(p.ep, 1))
                 layout = (pp, shard_all // shard, shard // cp, cp, ep)
                 yield layout, _layout_sets(recipe, *layout)
-
-
-def crossing_groups(dims: ParallelDims, node_gpus: int) -> set[str]:
-    """The communication kinds (:func:`qwen35_trainer.plan.traffic.communication`, and
-    ``pp_p2p``) whose process groups span more than one node of ``node_gpus`` consecutive
-    ranks, from the trainer's own rank grids (:meth:`ParallelDims.expert_grid`; the dense mesh
-    is ``(pp, dp_replicate, dp_shard, cp, tp)`` in rank order)."""
-    pp, r, d, c, t = dims.pp, dims.dp_replicate, dims.dp, dims.cp, dims.tp
-    dense = torch.arange(dims.world).reshape(pp, r, d, c, t)
-    expert = torch.stack([dims.expert_grid(stage) for stage in dense])  # [pp, r, efsdp, ep, t]
-
-    def spans(grid: torch.Tensor, dim: int | tuple[int, ...]) -> bool:
-        dims_ = (dim,) if isinstance(dim, int) else dim
-        rest = [i for i in range(grid.dim()) if i not in dims_]
-        groups = grid.permute(*rest, *dims_).reshape(-1, math.prod(grid.shape[i] for i in dims_))
-        nodes = groups // node_gpus
-        return bool((nodes.amax(1) != nodes.amin(1)).any())
-
-    kinds = {
-        "hsdp_all_reduce": spans(dense, 1),
-        "fsdp_all_gather": spans(dense, (2, 3)),
-        "fsdp_reduce_scatter": spans(dense, (2, 3)),
-        "expert_fsdp_all_gather": spans(expert, 2),
-        "expert_fsdp_reduce_scatter": spans(expert, 2),
-        "ep_all_to_all": spans(expert, 3),
-        "cp_exchange": spans(dense, 3),
-        "vision_gather": spans(dense, 3),
-        "pp_p2p": spans(dense, 0),
-        "tp": spans(dense, 4),
-    }
-    return {kind for kind, crosses in kinds.items() if crosses}
 
 
 def inter_node_bytes(planned: Plan, dims: ParallelDims, node_gpus: int) -> int:

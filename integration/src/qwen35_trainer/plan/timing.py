@@ -9,7 +9,7 @@ Per planned rank (its :class:`.work.Work` and its traffic, :mod:`.traffic`):
   as wide as the vocabulary), the routed experts' grouped GEMM (``grouped``), attention cores
   (``attention``), the gated delta rule (``recurrence``);
 - **communication**: each kind's bytes over the bandwidth of its group's links — InfiniBand when
-  the group spans nodes (:func:`.search.crossing_groups`, from the trainer's rank grids),
+  the group spans nodes (:func:`.nodes.crossing_groups`, from the trainer's rank grids),
   NVLink inside one — times the links' efficiency;
 - **overlap rules**: FSDP's (and the experts' FSDP) all-gathers and reduce-scatters run on
   their own streams while the units compute: exposed are one unit's share (the first gather
@@ -42,6 +42,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from qwen35_trainer.plan.hardware import Hardware
+from qwen35_trainer.plan.nodes import crossing_groups
 from qwen35_trainer.plan.traffic import PER_MICROBATCH
 
 if TYPE_CHECKING:
@@ -169,8 +170,6 @@ def step_time(
     plan: Plan, gpu: Hardware, efficiency: Efficiency | None = None, node_gpus: int = 8
 ) -> StepTime:
     """The :class:`StepTime` of ``plan`` on ``gpu`` with ``node_gpus`` GPUs per node."""
-    from qwen35_trainer.plan.search import crossing_groups
-
     eff = efficiency or Efficiency()
     step = plan.step
     if step is None or not plan.work:
