@@ -9,6 +9,8 @@ every expert has its own scales (an expert given its neighbour's scales changes 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,13 +107,67 @@ def test_dequantize_equals_the_block_loop_bit_for_bit():
         dequantize(data, scale.reshape(6, 5), form)
 
 
+def _torch_dequantize(data, scale, form, dtype):
+    """torch's element-by-element float8 → float32 conversion times the expanded scales, in
+    fp32, rounded once to ``dtype``: the decode the tables replace."""
+    *lead, rows, cols = data.shape
+    n, r = math.prod(lead) * form.parts, rows // form.parts
+    s = scale.reshape(n, -1, scale.shape[-1]).float()
+    s = s.repeat_interleave(form.block[0], 1)[:, :r].repeat_interleave(form.block[1], 2)[..., :cols]
+    return (data.reshape(n, r, cols).to(torch.float32) * s).to(dtype).reshape(data.shape)
+
+
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_every_byte_decodes_as_torch_converts_it(dtype):
+    """All 256 bytes (subnormals, both zeros, the NaN bytes 0x7F / 0xFF) in blocks of scales
+    that are ordinary, bf16-stored, subnormal, huge and 1: the same bits as torch's conversion."""
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    data = every.repeat(6).view(6, 256)  # one block per row: (1, 256) blocks
+    scale = torch.tensor([[0.013], [2.0**-130], [3.0e36], [1.0], [0.75], [1.0e-4]])
+    scale[4] = scale[4].bfloat16().float()
+    form = BlockFormat((1, 256))
+    got, want = (
+        dequantize(data, scale, form, dtype=dtype),
+        _torch_dequantize(data, scale, form, dtype),
+    )
+    assert torch.equal(_bits(got), _bits(want))
+    assert torch.isnan(got[:, 0x7F]).all() and torch.isnan(got[:, 0xFF]).all()
+
+
+@pytest.mark.parametrize(
+    ("shape", "block", "parts"),
+    [((4, 256, 384), (128, 128), 2), ((3, 2 * INTER, H), BLOCK, 2), ((300, 200), (128, 64), 1)],
+)
+def test_random_bytes_decode_as_torch_converts_them(shape, block, parts):
+    """Random bytes (NaNs included) under random scales, blocks that tile the matrices and
+    blocks that leave partial edges, bf16 and fp32: bit for bit torch's conversion."""
+    g = torch.Generator().manual_seed(1)
+    form = BlockFormat(block, parts)
+    data = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    scale = torch.rand(form.scale_shape(shape), generator=g) * 10.0 ** torch.randint(
+        -6, 3, form.scale_shape(shape), generator=g
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        want = _torch_dequantize(data, scale, form, dtype)
+        assert torch.equal(_bits(dequantize(data, scale, form, dtype=dtype)), _bits(want))
+
+
 def test_dequantize_in_slices_equals_one_slice(monkeypatch):
-    w = _weights(3, 2 * INTER, H, seed=7)
-    form = BlockFormat(BLOCK, parts=2)
-    data, scale = quantize(w, form)
-    whole = dequantize(data, scale, form)
-    monkeypatch.setattr("moe_parallel.fp8.CHUNK_ELEMENTS", 2 * BLOCK[0] * H)
-    assert torch.equal(dequantize(data, scale, form), whole)
+    for shape, form in (
+        ((3, 2 * INTER, H), BlockFormat(BLOCK, 2)),
+        ((4, 256, 64), BlockFormat((8, 16), 2)),
+    ):
+        data, scale = quantize(_weights(*shape, seed=7), form)
+        whole = dequantize(data, scale, form)
+        monkeypatch.setattr("moe_parallel.fp8.CPU_SLICE_ELEMENTS", 1)  # one block row a slice
+        assert torch.equal(dequantize(data, scale, form), whole)
+        monkeypatch.setattr("moe_parallel.fp8.CPU_SLICE_ELEMENTS", 3 * 8 * 64)  # 3 block rows
+        assert torch.equal(dequantize(data, scale, form), whole)
+        monkeypatch.undo()
 
 
 def test_fp8_linear_is_the_linear_of_the_dequantized_weight_and_saves_only_fp8():
@@ -171,6 +227,36 @@ def _per_expert_loop(x, counts, gate_up, down, lora):
             rows.append(w_d @ (F.silu(g) * u))
         start += n
     return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("most", [1, 2, 100])
+def test_fp8_experts_in_pieces_equal_the_whole_weight_bit_for_bit(dtype, most, monkeypatch):
+    """On CPU the FP8 experts run in pieces of at most ``most`` experts (idle experts
+    skipped): output and input gradient are those of one linear over the whole dequantized
+    weight, bit for bit (grouped GEMM in fp32 and bf16, the loop in fp64)."""
+    from moe_parallel.grouped import _fp8_pieces, _linear_of
+
+    counts = [3, 0, 5, 2, 0, 0, 4]
+    form = BlockFormat(BLOCK, 2)
+    gate_up = FP8Weight(*quantize(_weights(len(counts), 32, H, seed=21), form), form)
+    x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(5)).to(dtype)
+    grouped = grouped_mm_works(x, H, 16)
+    assert grouped == (dtype != torch.float64)
+    monkeypatch.setattr("moe_parallel.grouped.CPU_PIECE_ELEMENTS", most * 32 * H)
+    counts_E = torch.tensor(counts)
+    pieces = _fp8_pieces(counts, gate_up, lambda c: _linear_of(torch.tensor(c), grouped))
+    assert [p.experts for p in pieces] == {
+        1: [slice(0, 1), slice(2, 3), slice(3, 4), slice(6, 7)],
+        2: [slice(0, 1), slice(2, 4), slice(6, 7)],
+        100: [slice(0, 1), slice(2, 4), slice(6, 7)],
+    }[most]
+    ours, whole = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = fp8_linear(ours, gate_up, pieces=pieces)
+    want = fp8_linear(whole, gate_up, _linear_of(counts_E, grouped))
+    assert torch.equal(y, want)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+    assert torch.equal(*(torch.autograd.grad(t, z, g)[0] for t, z in ((y, ours), (want, whole))))
 
 
 @pytest.mark.parametrize("path", ["grouped", "loop"])

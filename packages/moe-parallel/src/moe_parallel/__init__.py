@@ -3,8 +3,9 @@
 from moe_parallel.checkpointing import apply_activation_checkpointing, sdpa_preserving_context
 from moe_parallel.dispatch import all_to_all_expert_compute
 from moe_parallel.expert_parallel import apply_expert_parallel
-from moe_parallel.fp8 import BlockFormat, FP8Weight, dequantize, fp8_linear, quantize
+from moe_parallel.fp8 import BlockFormat, FP8Weight, dequantize, quantize
 from moe_parallel.fp8_experts import quantize_experts
+from moe_parallel.fp8_matmul import fp8_linear
 from moe_parallel.grouped import LoRAFactors, expert_swiglu
 from moe_parallel.lora import LoRASpec, add_expert_lora
 from moe_parallel.moe import (

@@ -18,25 +18,25 @@ and ``data = e4m3(clamp(W / s, ±448))``; so ``dequantize(quantize(W))`` is ``W`
 resolution, and ``quantize(dequantize(data, scale)) == (data, scale)`` for a block whose amax
 is representable.
 
-:func:`fp8_linear` is the compute: ``y = linear(x, W)`` with ``W`` dequantized in the
-activations' dtype for this call only. Its autograd function saves the FP8 bytes and the scales
-(what the module holds anyway), never the dequantized ``W``, and dequantizes again in the
-backward for ``dL/dx = linear(dL/dy, W^T)``; the weight is frozen and gets no gradient. So a
-model holds its frozen base in one byte per element plus the scales, and at any moment at most
-one dequantized weight (under activation checkpointing the recompute dequantizes again).
-``dequantize`` fills its output in slices of at most ``CHUNK_ELEMENTS`` elements, which bounds
-its fp32 temporaries.
-
-Exactness: ``dequantize`` computes ``float32(data) · scale`` in fp32 and rounds once to the
-output dtype — in fp32, exactly the weight a reference dequantizes by hand; the products
-``linear`` computes are then those of that weight.
+Decoding (:func:`dequantize`): torch's float8 → float conversion is an element-by-element
+scalar function on CPU (about 5 ns an element, the whole cost of an FP8 step there). The decode
+here is a table: a block with scale ``s`` can only hold 256 values, ``dtype(float32(b) · s)``
+for the 256 bytes ``b``, so each block's 256 values are computed first (with torch's own
+conversion of the 256 bytes, the same fp32 product and the same single rounding to ``dtype``
+as a by-hand dequantization) and every element is then GATHERED from its block's table by its
+byte (``index_select``, vectorised). The result is today's formula bit for bit by
+construction, including the edge cases: e4m3's subnormals, signed zeros and the NaN bytes
+(0x7F, 0xFF). It works in slices of whole block rows (or of whole matrices when one is small):
+:func:`slice_elements` elements on CPU (the byte indices, the tables and the output slice stay
+in the core's cache), ``CHUNK_ELEMENTS`` elsewhere; a slice's int32 indices are its only
+temporary the size of the slice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -46,16 +46,21 @@ __all__ = [
     "E4M3_MAX",
     "FP8_DTYPE",
     "BlockFormat",
+    "Decoder",
     "FP8Weight",
     "dequantize",
-    "fp8_linear",
     "quantize",
+    "slice_elements",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-# elements dequantized per slice: bounds the fp32 temporaries (two of this size)
+# elements dequantized per slice off CPU: bounds the decode's temporaries (module docstring)
 CHUNK_ELEMENTS = 1 << 24
+# on CPU: a slice's int32 indices (4 bytes an element) and its output stay in a core's L2
+CPU_SLICE_ELEMENTS = 1 << 18
+# a table's entries: one per byte value
+_BYTES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,17 +113,93 @@ def _expand(scale_nbc: torch.Tensor, block: tuple[int, int], rows: int, cols: in
     return scale_nbc.repeat_interleave(bo, 1)[:, :rows].repeat_interleave(bi, 2)[:, :, :cols]
 
 
-def _scale_(piece_nrc: torch.Tensor, scale_nbc: torch.Tensor, block: tuple[int, int]) -> None:
-    """Multiply fp32 ``piece_nrc`` [n, rows, cols] (whole block rows from a block boundary) by
-    its blocks' scales, in place: broadcast over each block when the blocks tile it, else
-    with the scales repeated over the edge blocks."""
-    n, rows, cols = piece_nrc.shape
-    bo, bi = block
-    if rows % bo == 0 and cols % bi == 0:
-        blocks = piece_nrc.view(n, rows // bo, bo, cols // bi, bi)
-        blocks.mul_(scale_nbc[:, :, None, :, None])
-    else:
-        piece_nrc.mul_(_expand(scale_nbc, block, rows, cols))
+def slice_elements(device: torch.device) -> int:
+    """How many elements :func:`dequantize` decodes at a time on ``device`` (module docstring)."""
+    return CPU_SLICE_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS
+
+
+@functools.cache
+def _byte_values(device: torch.device) -> torch.Tensor:
+    """[256] fp32: the e4m3 value of each byte, by torch's own conversion (the reference)."""
+    return torch.arange(_BYTES, dtype=torch.uint8, device=device).view(FP8_DTYPE).float()
+
+
+def _check(data: torch.Tensor, scale: torch.Tensor, form: BlockFormat) -> None:
+    expected = form.scale_shape(tuple(data.shape))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"scale of shape {list(scale.shape)} for FP8 data {list(data.shape)}: expected "
+            f"{list(expected)} for blocks of {list(form.block)}"
+            + (f" in {form.parts} parts" if form.parts > 1 else "")
+        )
+    if data.dtype != FP8_DTYPE:
+        raise TypeError(f"FP8 data must be {FP8_DTYPE}, got {data.dtype}")
+
+
+class Decoder:
+    """The tables of one FP8 weight (module docstring), to dequantize any range of its matrices
+    into ``dtype``: :meth:`into` writes stacked matrices ``[m0, m1)`` (of the weight's first
+    dim; the whole 2-D weight for ``(0, 1)``) into a buffer, so a caller that dequantizes
+    piece after piece reuses one buffer and builds the tables once.
+
+    The weight is decoded a few block rows at a time (:func:`slice_elements`): a block row's
+    blocks have consecutive tables, so an element's table index is its byte plus the offset of
+    its column's block in the block row (and the first block row's tables are found by slicing
+    the tables). Where the row blocks tile each matrix, a slice takes several block rows
+    (equal heights); otherwise one block row at a time.
+    """
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, form: BlockFormat, dtype):
+        _check(data, scale, form)
+        n, self.rows, cols = _grids(tuple(data.shape), form)
+        self.bo, bi = form.block
+        device = data.device
+        scale_nbc = scale.reshape(n, -1, scale.shape[-1]).float()
+        self.nbr, nbc = scale_nbc.shape[1:]
+        self.per_block_row = nbc * _BYTES
+        # every byte's value in every block: [n, nbr, nbc, 256], in the blocks' order
+        self.tables = (scale_nbc[..., None] * _byte_values(device)).to(dtype).view(-1)
+        tiled = self.rows % self.bo == 0
+        self.group = max(1, slice_elements(device) // (self.bo * cols)) if tiled else 1
+        # [group, 1, cols]: the table index of byte 0 at each column of each block row
+        block_col = torch.arange(cols, device=device) // bi * _BYTES
+        block_row = torch.arange(self.group, device=device) * self.per_block_row
+        index_dtype = torch.int32 if self.tables.numel() < 2**31 else torch.int64
+        self.base = (block_row[:, None, None] + block_col).to(index_dtype)
+        self.index = torch.empty(self.group * self.bo * cols, dtype=index_dtype, device=device)
+        self.bytes_Rc = data.view(torch.uint8).view(-1, cols)
+        self.matrix_rows = self.rows * form.parts  # rows of one matrix of data's first dim
+        self.dtype = dtype
+
+    def into(self, out: torch.Tensor, m0: int = 0, m1: int = 1) -> torch.Tensor:
+        """``out`` (contiguous, ``dtype``) ← the dequantized matrices ``[m0, m1)``; returns it."""
+        cols = self.bytes_Rc.shape[1]
+        first_row = m0 * self.matrix_rows
+        size = (m1 - m0) * self.matrix_rows * cols
+        if out.numel() != size or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous {self.dtype} tensor of {size} elements, got "
+                f"{out.dtype} {list(out.shape)}"
+            )
+        out_Rc = out.view(-1, cols)
+        parts = self.matrix_rows // self.rows
+        for g in range(m0 * parts * self.nbr, m1 * parts * self.nbr, self.group):
+            count = min(self.group, m1 * parts * self.nbr - g)
+            part, block_row = divmod(g, self.nbr)
+            a = part * self.rows + block_row * self.bo
+            b = (
+                min(a + count * self.bo, part * self.rows + self.rows)
+                if count == 1
+                else a + count * self.bo
+            )
+            shape = (count, (b - a) // count, cols)
+            idx = self.index[: b * cols - a * cols].view(shape)
+            idx.copy_(self.bytes_Rc[a:b].view(shape)).add_(self.base[:count])
+            tables = self.tables[g * self.per_block_row : (g + count) * self.per_block_row]
+            torch.index_select(
+                tables, 0, idx.view(-1), out=out_Rc[a - first_row : b - first_row].view(-1)
+            )
+        return out
 
 
 def dequantize(
@@ -128,29 +209,12 @@ def dequantize(
     *,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``float32(data) · scale`` blockwise (module docstring), rounded once to ``dtype``; one
-    fp32 slice of at most ``CHUNK_ELEMENTS`` at a time is the only temporary."""
-    expected = form.scale_shape(tuple(data.shape))
-    if tuple(scale.shape) != expected:
-        raise ValueError(
-            f"scale of shape {list(scale.shape)} for FP8 data {list(data.shape)}: expected "
-            f"{list(expected)} for blocks of {list(form.block)}"
-            + (f" in {form.parts} parts" if form.parts > 1 else "")
-        )
-    n, rows, cols = _grids(tuple(data.shape), form)
+    """``float32(data) · scale`` blockwise (module docstring), rounded once to ``dtype``, decoded
+    by each block's table of its 256 values, a slice of :func:`slice_elements` at a time."""
+    decoder = Decoder(data, scale, form, dtype)
     out = torch.empty(data.shape, dtype=dtype, device=data.device)
-    data_nrc, out_nrc = data.reshape(n, rows, cols), out.view(n, rows, cols)
-    scale_nbc = scale.reshape(n, -1, scale.shape[-1]).float()
-    bo = form.block[0]
-    # slices of whole block rows (and of whole matrices when one is small)
-    block_rows = max(1, min(-(-rows // bo), CHUNK_ELEMENTS // max(1, bo * cols)))
-    matrices = max(1, CHUNK_ELEMENTS // max(1, rows * cols))
-    for m in range(0, n, matrices):
-        for b in range(0, -(-rows // bo), block_rows):
-            r0, r1 = b * bo, min((b + block_rows) * bo, rows)
-            piece = data_nrc[m : m + matrices, r0:r1].float()
-            _scale_(piece, scale_nbc[m : m + matrices, b : b + block_rows], form.block)
-            out_nrc[m : m + matrices, r0:r1] = piece
+    if out.numel():
+        decoder.into(out, 0, math.prod(data.shape[:-2]))
     return out
 
 
@@ -177,37 +241,3 @@ def quantize(
     ratio = w_nrc / _expand(scale.float(), form.block, rows, cols)
     data = ratio.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return data.reshape(weight.shape), scale.reshape(scale_shape)
-
-
-Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class _DequantizedLinear(torch.autograd.Function):
-    """``linear(x, dequantize(w))``; saves the FP8 bytes and scales, never the dequantized
-    weight (module docstring). ``linear(g, W^T)`` is the input gradient of ``linear(x, W)``
-    for each ``linear`` used here: ``F.linear`` and the grouped per-expert linears."""
-
-    @staticmethod
-    def forward(ctx, x, data, scale, form: BlockFormat, linear: Linear):
-        ctx.save_for_backward(data, scale)
-        ctx.form, ctx.linear = form, linear
-        return linear(x, dequantize(data, scale, form, dtype=x.dtype))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_y):
-        data, scale = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        weight = dequantize(data, scale, ctx.form, dtype=grad_y.dtype)
-        grad_x = ctx.linear(grad_y.contiguous(), weight.transpose(-2, -1))
-        return grad_x, None, None, None, None
-
-
-def fp8_linear(x: torch.Tensor, weight: FP8Weight, linear: Linear = F.linear) -> torch.Tensor:
-    """``linear(x, W)`` for the frozen FP8 ``weight`` (module docstring): ``F.linear`` for a
-    2-D weight [O, I] (x [..., I] → [..., O]), or a grouped per-expert linear over stacked
-    [E, O, I] weights; differentiable in ``x`` only."""
-    if weight.data.dtype != FP8_DTYPE:
-        raise TypeError(f"FP8Weight.data must be {FP8_DTYPE}, got {weight.data.dtype}")
-    return _DequantizedLinear.apply(x, weight.data, weight.scale, weight.form, linear)
