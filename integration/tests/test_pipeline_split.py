@@ -107,7 +107,6 @@ def test_stage_layers_default_explicit_and_placement():
         (("parallel.pp_microbatches=4",), "must equal train.grad_accum_steps=2"),
         (("data.packing=false",), "needs data.packing with data.pack_length"),
         (("parallel.tp=2", "parallel.sequence_parallel=false"), "runs with sequence parallelism"),
-        (("train.eval_every=1",), "train.eval_every with parallel.pp > 1 is not built yet"),
     ],
 )
 def test_layouts_pipelines_cannot_run_are_refused(sets, message):

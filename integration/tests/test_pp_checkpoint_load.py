@@ -83,8 +83,18 @@ def test_plan_takes_the_checkpoint_folder(checkpoint, capsys):
     assert "fits" in capsys.readouterr().out
 
 
+@pytest.fixture
+def no_process_group():
+    """No default process group: the fake world is made here (one process's world-1 group, left
+    by a ``train`` earlier in this worker, is dropped first)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("rank", [0, 239], ids=["first_stage", "last_stage"])
-def test_each_stage_reads_its_own_shards_only(checkpoint, monkeypatch, rank):
+def test_each_stage_reads_its_own_shards_only(checkpoint, monkeypatch, no_process_group, rank):
     folder, shapes = checkpoint
     recipe = load_recipe(RECIPE, [f"model.path={folder}"])
     read: dict[str, int] = {}

@@ -31,6 +31,7 @@ times its sum over the whole model, so the two cannot disagree.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from collections.abc import Sequence
@@ -179,10 +180,8 @@ def layer_costs(config: Any, row: int | None) -> tuple[list[float], float, float
 
 
 def _flops_with(config: Any, row: int, *, layer_types: list[str], mtp: int) -> float:
-    text = config.text_config
-    saved = text.layer_types, getattr(text, "mtp_num_hidden_layers", 0)
-    text.layer_types, text.mtp_num_hidden_layers = layer_types, mtp
-    try:
-        return training_flops(config, [row], [])
-    finally:
-        text.layer_types, text.mtp_num_hidden_layers = saved
+    """The FLOPs of a ``row``-token row through a copy of ``config`` with ``layer_types`` and
+    an ``mtp``-layer head (the caller's config is left as it was: an export writes it)."""
+    config = copy.deepcopy(config)
+    config.text_config.layer_types, config.text_config.mtp_num_hidden_layers = layer_types, mtp
+    return training_flops(config, [row], [])
