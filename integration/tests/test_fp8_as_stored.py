@@ -83,3 +83,14 @@ def test_the_run_states_the_fp8_modules_and_bytes(folders):
         held = sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
         assert f"the base holds {held / 2**20:.3g} MiB in float8" in lines, lines
         assert "LoRA adapters on" in lines and "trained in full: none" in lines, lines
+
+
+def test_the_plan_states_the_fp8_modules_and_bytes(folders, capsys):
+    from qwen35_trainer.cli import main
+
+    _, _, kept = folders
+    sets = [f"model.path={kept}", *PACKED, LORA, "parallel.dp=1", "parallel.cp=1", "parallel.ep=1"]
+    assert main(["plan", "tiny", *(a for s in sets for a in ("--set", s))]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 modules: " in out and "4 attention projections" in out, out
+    assert "MTP-head" not in out, out  # the checkpoint keeps its MTP layers in bf16

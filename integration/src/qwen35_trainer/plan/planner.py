@@ -23,8 +23,10 @@ from qwen35_trainer.data.synthetic import max_sample_tokens
 from qwen35_trainer.model import build_training_model
 from qwen35_trainer.model.build import build_meta_model
 from qwen35_trainer.model.config import build_config
+from qwen35_trainer.model.fp8.hold import fp8_summary
 from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import named_parameters
+from qwen35_trainer.model.whole import whole_parameters
 from qwen35_trainer.parallel import FSDP_UNITS, ParallelDims, validate_layout
 from qwen35_trainer.plan.headroom import Headroom, process_groups
 from qwen35_trainer.plan.memory import ROUTING_SKEW, Memory, Shape, memory
@@ -79,6 +81,7 @@ class Plan:
     rank_traffic: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
     work: dict[int, Work] = dataclasses.field(default_factory=dict)  # each planned rank's
     step: Step | None = None
+    fp8: str | None = None  # a base held in FP8: its modules by kind and bytes (fp8_summary)
 
     def rank_peak(self, rank: int) -> int:
         """``rank``'s predicted peak in bytes: its counted tensors and every headroom term of
@@ -298,6 +301,9 @@ def plan(
             rank_traffic[rank] = traffic
     if p.pp > 1:  # a planned rank holds its stages only: count the whole model
         total, routed, mtp = parameter_counts(build_meta_model(recipe.model))
+    fp8 = None
+    if recipe.model.fp8_base:
+        fp8 = fp8_summary(whole_parameters(build_meta_model(recipe.model)))
     config = build_config(recipe.model)
     text = config.text_config
     micro = recipe.train.grad_accum_steps
@@ -332,4 +338,5 @@ def plan(
         rank_traffic=rank_traffic,
         work=work,
         step=step,
+        fp8=fp8,
     )
