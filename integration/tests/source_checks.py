@@ -12,6 +12,7 @@ from dist_checks import assert_same_run, layout_recipe
 from pp_checks import assert_stage_state
 from source_matrix import COMPARE, MATRIX_LAYOUTS, MATRIX_SOURCES, ROWS
 
+from fsdp_compat import full_tensor
 from qwen35_trainer import train
 
 __all__ = ["check_from_source", "matrix_folders", "matrix_references", "source_overrides"]
@@ -96,18 +97,40 @@ def matrix_references(folders: dict, root: Path) -> dict:
     return out
 
 
-def check_from_source(layout: str, source: str, folders: dict, reference, copy_to: str) -> None:
+def check_from_source(
+    layout: str, source: str, folders: dict, reference, copy_to: str
+) -> tuple[float, float]:
     """Cell ``(layout, source)`` on this launch's ranks equals one process from the same source
     (module docstring of :mod:`source_matrix`); ``copy_to``: this cell's checkpoint folder
-    when it resumes."""
+    when it resumes. Returns the largest relative differences found: of the logged values,
+    and of this rank's parameters (each tensor's distance over its norm)."""
     overrides, micro, _ = MATRIX_LAYOUTS[layout]
     given = source_overrides(source, folders, micro)
     if source == "resume":
         given = _resumed_copy(given, copy_to)
     result = train(layout_recipe(dist.get_world_size(), *given, *overrides))
     logs, state = reference
+    ours = result.objective.model.state_dict()
     if any(o.startswith("parallel.pp=") for o in overrides):
         assert_stage_state(result, logs, state, COMPARE[source])
     else:
-        ours = result.objective.model.state_dict()
         assert_same_run(result.logs, logs, ours, state, **COMPARE[source])
+    return _differences(result.logs, logs, ours, state, COMPARE[source]["fields"])
+
+
+def _differences(logs, reference_logs, state, reference_state, fields) -> tuple[float, float]:
+    """``(logged, parameters)``: the largest relative difference of the logged ``fields`` over
+    the steps, and of a parameter tensor (distance over the reference's norm); every rank
+    gathers its sharded tensors in the same order."""
+    logged = 0.0
+    for ours, ref in zip(logs, reference_logs, strict=True):
+        for field in fields:
+            mine, theirs = getattr(ours, field), getattr(ref, field)
+            mine, theirs = (mine, theirs) if isinstance(theirs, tuple) else ((mine,), (theirs,))
+            for a, b in zip(mine, theirs, strict=True):
+                logged = max(logged, abs(a - b) / max(abs(b), 1e-12))
+    params = 0.0
+    for name, value in state.items():
+        ours, ref = full_tensor(value).float(), reference_state[name]
+        params = max(params, float((ours - ref).norm() / ref.norm().clamp(min=1e-12)))
+    return logged, params
