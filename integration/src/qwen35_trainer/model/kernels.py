@@ -10,12 +10,14 @@ the layout is validated). The packages decide the same way when the layers run
 (:func:`cp_varlen_attn.resolve_attention_backend` / :func:`cp_varlen_attn.resolve_gdn_backend` are
 the rules :func:`cp_varlen_attn.varlen_attention` / :func:`cp_varlen_attn.gated_delta_rule`
 apply, moe-parallel's ``te`` test is TransformerEngine importing on CUDA), so the report names what
-runs. A frozen base held in FP8 (:mod:`qwen35_trainer.model.fp8.hold`) adds its line: its blocks are
-dequantized per use and multiplied in the compute dtype; there is no FP8 GEMM path yet, and the
-report says so on every device. On CUDA, ``auto`` running the per-piece SDPA loop (an fp32 run:
-the varlen kernels take bf16/fp16) or the torch chunked GDN rule (fla not installed) is a
-WARNING saying why (:attr:`Kernels.fallbacks`): Qwen3.5 trains 2-4x slower there, and nothing
-else would say so. The experts' ``torch._grouped_mm`` and torch's fused AdamW (``adamw`` on
+runs. A frozen base held in FP8 (:mod:`qwen35_trainer.model.fp8.hold`) adds its line: on a GPU
+that runs torch's block-scaled FP8 GEMM (:func:`moe_parallel.fp8_gemm.block_scaled_mm_supported`:
+compute capability 9.x) with 128 × 128 blocks in bf16, its projections go through it
+(``scaled_mm``); elsewhere, and for the routed experts, its blocks are dequantized per use and
+multiplied in the compute dtype (``dequantize``). On CUDA, ``auto`` running the per-piece SDPA
+loop (an fp32 run: the varlen kernels take bf16/fp16) or the torch chunked GDN rule (fla not
+installed) is a WARNING saying why (:attr:`Kernels.fallbacks`): Qwen3.5 trains 2-4x slower
+there, and nothing else would say so. The experts' ``torch._grouped_mm`` and torch's fused AdamW (``adamw`` on
 CUDA) are fast paths, not fallbacks; TransformerEngine's are opt-in (the ``te`` extra).
 """
 
@@ -48,7 +50,13 @@ _NAMES = {
     ),
     "frozen base": (
         "model.base_dtype",
-        {"dequantize": "FP8 blocks dequantized per use, bf16/fp32 GEMM (no FP8 GEMM path yet)"},
+        {
+            "scaled_mm": "FP8 GEMM (torch scaled_mm, 1x128 activation / 128x128 weight blocks) "
+            "for the projections of dims multiple of 128, the routed experts dequantized per use",
+            "dequantize": "FP8 blocks dequantized per use, bf16/fp32 GEMM (no FP8 GEMM path "
+            "here: torch's block-scaled GEMM takes 128x128 blocks in bf16 on compute "
+            "capability 9.x)",
+        },
     ),
     "optimizer": (
         "train.optimizer",
@@ -119,7 +127,7 @@ def resolve_kernels(recipe: Any, device_type: str) -> Kernels:
     if errors:
         raise ValueError("; ".join(errors))
     if model.fp8_base:
-        chosen = {**chosen, "frozen base": "dequantize"}
+        chosen = {**chosen, "frozen base": _frozen_base(model.block, dtype, device_type)}
     why = {
         "attention": f"train.dtype={recipe.train.dtype}, and the varlen kernels take bfloat16 "
         "(train.dtype=bfloat16 runs torch's varlen_attn)"
@@ -135,6 +143,13 @@ def resolve_kernels(recipe: Any, device_type: str) -> Kernels:
         if cuda and kind in why and k == "torch" and _asked(recipe, kind) == "auto"
     )
     return Kernels(chosen, fallbacks)
+
+
+def _frozen_base(block: tuple[int, int], dtype: torch.dtype, device_type: str) -> str:
+    from moe_parallel.fp8_gemm import BLOCK, block_scaled_mm_supported
+
+    gemm = tuple(block) == (BLOCK, BLOCK) and dtype == torch.bfloat16 and device_type == "cuda"
+    return "scaled_mm" if gemm and block_scaled_mm_supported(torch.device("cuda")) else "dequantize"
 
 
 def _asked(recipe: Any, kind: str) -> str:

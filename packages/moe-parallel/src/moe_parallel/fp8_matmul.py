@@ -18,7 +18,10 @@ Each row is computed by the same per-expert product either way, so the result do
 on the pieces (tests: bit for bit against the whole weight).
 
 Exactness: the products ``linear`` computes are those of the dequantized weight, which is the
-by-hand dequantization bit for bit (:func:`moe_parallel.fp8.dequantize`).
+by-hand dequantization bit for bit (:func:`moe_parallel.fp8.dequantize`). One exception, by
+design: a 2-D weight in 128 × 128 blocks on a GPU that runs torch's block-scaled FP8 GEMM goes
+through it instead (:mod:`moe_parallel.fp8_gemm`: no dequantized weight, the activations
+rounded to e4m3 per 1 × 128 block).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_parallel.fp8 import FP8_DTYPE, BlockFormat, Decoder, FP8Weight
+from moe_parallel.fp8_gemm import block_scaled_linear, takes_block_scaled_mm
 
 __all__ = ["Piece", "fp8_linear"]
 
@@ -97,11 +101,14 @@ def fp8_linear(
     pieces: Sequence[Piece] | None = None,
 ) -> torch.Tensor:
     """``linear(x, W)`` for the frozen FP8 ``weight`` (module docstring): ``F.linear`` for a
-    2-D weight [O, I] (x [..., I] → [..., O]), or a grouped per-expert linear over stacked
+    2-D weight [O, I] (x [..., I] → [..., O]; on the block-scaled FP8 GEMM where
+    :func:`moe_parallel.fp8_gemm.takes_block_scaled_mm`), or a grouped per-expert linear over stacked
     [E, O, I] weights, whole or in ``pieces`` (which then replace ``linear``; they cover the
     rows of ``x`` [M, I] in order, and at least one row); differentiable in ``x`` only."""
     if weight.data.dtype != FP8_DTYPE:
         raise TypeError(f"FP8Weight.data must be {FP8_DTYPE}, got {weight.data.dtype}")
+    if pieces is None and linear is F.linear and takes_block_scaled_mm(x, weight):
+        return block_scaled_linear(x, weight)
     if pieces is None:
         pieces = (Piece(slice(None), slice(None), linear),)
     elif not pieces:
