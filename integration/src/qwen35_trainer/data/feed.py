@@ -12,6 +12,7 @@ held-out batches are built exactly as the training ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -146,16 +147,23 @@ def _micro(
     out = []
     for docs in parts:
         if recipe.data.packing:
-            batch, packed = pack(
-                docs,
-                config,
-                pad,
-                cp=layout.cp,
-                group=layout.cp_group,
-                multiple=capacity if layout.pipelined else layout.row_multiple,
-                capacity=capacity,
+            packing = functools.partial(
+                pack, docs, config, pad, cp=layout.cp, group=layout.cp_group, capacity=capacity
             )
+            batch, packed = packing(multiple=layout.row_multiple)
+            if layout.pipelined and not _fits_buffers(packed.layout, capacity):
+                batch, packed = packing(multiple=capacity)
             out.append((batch.to(device), packed.to(device)))
         else:
             out.append((collate(docs, pad).to(device), None))
     return out
+
+
+def _fits_buffers(cp_layout: Any, capacity: int) -> bool:
+    """Whether every CP rank's tokens of a packed row fit its share of the pipeline stages'
+    buffers (``capacity / cp``): the row then travels as it is, each stage padding its rank's
+    tokens to the buffer only to send them (:mod:`qwen35_trainer.model.pipeline.stages`), and
+    no layer computes the padding; else (a full row the layout splits unevenly) the row is
+    padded to its capacity, as one padding document every layer runs."""
+    share = capacity // cp_layout.cp_size
+    return all(cp_layout.local_len(r) <= share for r in range(cp_layout.cp_size))

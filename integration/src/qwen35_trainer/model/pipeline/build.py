@@ -166,6 +166,8 @@ def build_pipeline(
             count,
             plan.stage_layers[s],
             loss_chunk_size=plan.loss_chunk_size,
+            row_tokens=plan.row_tokens,
+            split=plan.split,
             tower_checkpoint=plan.tower_checkpoint,
             backward_twice=plan.split_backward,
         )

@@ -103,10 +103,14 @@ class StageModule(nn.Module):
         layers: range,
         *,
         loss_chunk_size: Any,
+        row_tokens: int,
+        split: int = 1,
         tower_checkpoint: bool = False,
         backward_twice: bool = False,
     ) -> None:
         super().__init__()
+        # the P2P buffers: ``row_tokens`` per micro-batch's row, this rank's 1/``split`` of them
+        self.row_tokens, self.buffer_tokens = row_tokens, row_tokens // split
         self.index, self.first, self.last = index, index == 0, index == count - 1
         text = model.model.language_model
         self.layers = nn.ModuleList(text.layers[i] for i in layers)
@@ -142,14 +146,15 @@ class StageModule(nn.Module):
         batch, packed = self.inputs.micro[int(index_11)]
         rank = dist.get_rank(packed.group) if packed.group is not None else 0
         layout = packed.layout
+        tp = 1 if self.sequence_group is None else dist.get_world_size(self.sequence_group)
         if self.first:
             hidden, prob_sum, counts, embeds = embed_row(self, batch, packed, rank)
-        else:
+        else:  # the row's tokens of the buffers (the rest pads them to one shape)
             hidden, prob_sum, counts, *rest = received
-            embeds = rest[0] if rest else None
+            hidden = hidden[:, : layout.local_len(rank) // tp]
+            embeds = rest[0][:, : batch.input_ids.shape[1]] if rest else None
         tokens_N = shard_sequence(batch.attention_mask, layout, rank, dim=1).reshape(-1).bool()
         if self.sequence_group is not None:  # this TP rank routes its slice of the tokens
-            tp = dist.get_world_size(self.sequence_group)
             tokens_N = tokens_N.chunk(tp)[dist.get_rank(self.sequence_group)]
         hidden = self._layers(hidden, packed, rank)
         loads = []
@@ -157,11 +162,11 @@ class StageModule(nn.Module):
             p, c = router_statistics(block.stats.router_logits[tokens_N], block.top_k)
             prob_sum, counts = prob_sum + p, counts + c
             loads.append(c[:-1])
-        load = torch.stack(loads)  # the row's tokens only: its padding to capacity is routed too
+        load = torch.stack(loads)  # the row's tokens only (a row padded to capacity routes all)
         self.load = load if self.load is None else self.load + load
         if not self.last:
-            out = (index_11, hidden, prob_sum, counts)
-            return out if embeds is None else (*out, embeds.clone())
+            out = (index_11, _padded(hidden, self.buffer_tokens), prob_sum, counts)
+            return out if embeds is None else (*out, _padded(embeds, self.row_tokens))
         return stage_loss(self, batch, packed, rank, hidden, prob_sum, counts, embeds)
 
     def _layers(self, hidden_BTH: torch.Tensor, packed: Any, rank: int) -> torch.Tensor:
@@ -184,3 +189,10 @@ class StageModule(nn.Module):
                 cp_group=packed.group,
             )
         return hidden_BTH
+
+
+def _padded(x_BTH: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``x_BTH`` with zeros after its tokens up to ``tokens`` (the P2P buffer's shape; a new
+    tensor, never a view: FSDP2 refuses a module output that is one). The next stage drops
+    them, so no layer computes them and their gradient is zero."""
+    return torch.nn.functional.pad(x_BTH, (0, 0, 0, tokens - x_BTH.shape[1]))
