@@ -1,5 +1,7 @@
 """Pipeline parallelism against data parallelism on the same 4 CPU ranks, in one run: PP 2 × DP 2
-(1F1B) vs DP 4 (FSDP2), the same model, rows and micro-batches.
+(1F1B) vs DP 4 (FSDP2), the same model, rows and micro-batches; and PP 2 × DP 2 as it ran
+before, each micro-batch's row padded to its capacity and the padding run through every layer
+(the row's fill is printed: the rows here are about 70 % full).
 
 Per layout: the median step time (after the first), the peak RSS of each rank's process, the
 bytes the pipeline's P2P sends carry (counted in torch's batched sends), and the share of the
@@ -42,24 +44,39 @@ COMMON = (
     "data.packing=true",
     "data.pack_length=512",
     "data.samples_per_rank=8",
+    "data.text_tokens=[30, 50]",
     f"train.grad_accum_steps={MICRO}",
     f"train.steps={STEPS}",
     "train.eval_every=0",
     "parallel.cp=1",
     "parallel.ep=1",
 )
+PP2 = ("parallel.dp=2", "parallel.pp=2", "data.samples_per_rank=16")
+# name -> (overrides, whether each row is padded to its capacity and the padding computed)
 LAYOUTS = {
-    "DP 4": ("parallel.dp=4", "parallel.pp=1"),
-    "PP 2 x DP 2": ("parallel.dp=2", "parallel.pp=2", "data.samples_per_rank=16"),
+    "DP 4": (("parallel.dp=4", "parallel.pp=1"), False),
+    "PP 2 x DP 2": (PP2, False),
+    "PP padded": (PP2, True),
 }
 
 
-def _measure(overrides: tuple[str, ...]) -> dict:
-    """On every rank: step seconds, peak RSS, P2P bytes sent and seconds waited per step."""
+def _measure(overrides: tuple[str, ...], padded: bool) -> dict:
+    """On every rank: step seconds, peak RSS, P2P bytes sent and seconds waited per step, and
+    the rows' fill (``padded``: every row padded to its capacity, as before)."""
     from torch.distributed.pipelining import schedules
 
-    sent, waited = [0], [0.0]
-    batch, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+    import qwen35_trainer.data.feed as feed
+
+    sent, waited, filled = [0], [0.0], []
+    batch, wait, pack, fits = schedules._batch_p2p, schedules._wait_batch_p2p, feed.pack, None
+
+    def recording_pack(docs, *args, capacity=None, **kwargs):
+        filled.append(sum(len(d) for d in docs) / capacity)
+        return pack(docs, *args, capacity=capacity, **kwargs)
+
+    feed.pack = recording_pack
+    if padded:
+        fits, feed._fits_buffers = feed._fits_buffers, lambda *_: False
 
     def counting_batch(ops, desc=None):
         sent[0] += sum(
@@ -77,6 +94,9 @@ def _measure(overrides: tuple[str, ...]) -> dict:
         logs = train(load_recipe("tiny", [*COMMON, *overrides])).logs
     finally:
         schedules._batch_p2p, schedules._wait_batch_p2p = batch, wait
+        feed.pack = pack
+        if fits is not None:
+            feed._fits_buffers = fits
     seconds = [log.seconds for log in logs]
     return {
         "rank": dist.get_rank(),
@@ -84,28 +104,34 @@ def _measure(overrides: tuple[str, ...]) -> dict:
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "p2p": sent[0] / STEPS,
         "idle": waited[0] / sum(seconds),
+        "fill": statistics.mean(filled),
     }
 
 
 def main() -> None:
     torch.set_num_threads(1)
-    checks = {name: named_check(name, _measure, overrides) for name, overrides in LAYOUTS.items()}
+    checks = {name: named_check(name, _measure, *args) for name, args in LAYOUTS.items()}
     report = run_checks(list(checks.values()), 4, timeout=1800)
     rows = {name: report.assert_passed(check) for name, check in checks.items()}
-    planned = plan(load_recipe("tiny", [*COMMON, *LAYOUTS["PP 2 x DP 2"]]))
+    planned = plan(load_recipe("tiny", [*COMMON, *PP2]))
     base = rows["DP 4"]
     print(f"{'layout':<14}{'step s':>9}{'ratio':>8}{'peak MiB (max rank)':>22}{'ratio':>8}"
-          f"{'P2P MiB/step/rank':>20}{'idle share':>12}")  # fmt: skip
+          f"{'P2P MiB/step/rank':>20}{'idle share':>12}{'row fill':>10}")  # fmt: skip
     for name, values in rows.items():
         step = statistics.median(v["step"] for v in values)
         rss = max(v["rss"] for v in values)
         p2p = max(v["p2p"] for v in values)
         idle = statistics.mean(v["idle"] for v in values)
+        fill = statistics.mean(v["fill"] for v in values)
         print(
             f"{name:<14}{step:9.3f}{step / statistics.median(v['step'] for v in base):8.2f}"
             f"{rss / MIB:22.1f}{rss / max(v['rss'] for v in base):8.2f}{p2p / MIB:20.2f}"
-            f"{idle:12.1%}"
+            f"{idle:12.1%}{fill:10.0%}"
         )
+    pp, padded = (
+        statistics.median(v["step"] for v in rows[n]) for n in ("PP 2 x DP 2", "PP padded")
+    )
+    print(f"PP 2 x DP 2 without computing its padding: {pp / padded:.2f}x the padded step time")
     print(
         f"planner (PP 2 x DP 2): bubble {planned.bubble:.1%}, P2P "
         f"{planned.communication['pp_p2p'] / MIB:.2f} MiB/step (rank {max(planned.ranks)})"

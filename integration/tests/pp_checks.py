@@ -15,6 +15,7 @@ from dist_testkit import assert_close
 from qwen35_trainer import train
 
 __all__ = [
+    "check_padding_not_computed",
     "check_pipeline_equals_one_process",
     "check_pipeline_eval_and_export",
     "pp_export_equals_one_process",
@@ -134,3 +135,24 @@ def assert_same_folder(ours: Path, reference: Path) -> None:
         if (reference / config).is_file():
             loaded = [json.loads((f / config).read_text()) for f in (ours, reference)]
             assert loaded[0] == loaded[1], config
+
+
+def check_padding_not_computed(overrides) -> None:
+    """Under PP each stage's layers run the micro-batch row's own tokens, not the padding of
+    the P2P buffers: every call of a stage's layers sees this rank's tokens of the row
+    (``layout.local_len``), fewer than the buffer holds when the row is not full."""
+    from qwen35_trainer.model.pipeline.stages import StageModule
+
+    seen, layers = [], StageModule._layers
+
+    def recording(self, hidden_BTH, packed, rank):
+        seen.append((hidden_BTH.shape[1], packed.layout.local_len(rank), self.buffer_tokens))
+        return layers(self, hidden_BTH, packed, rank)
+
+    StageModule._layers = recording
+    try:
+        train(layout_recipe(dist.get_world_size(), *overrides, "train.steps=1"))
+    finally:
+        StageModule._layers = layers
+    assert seen and all(tokens == row for tokens, row, _ in seen), seen
+    assert any(tokens < buffer for tokens, _, buffer in seen), seen

@@ -52,6 +52,7 @@ from dist_checks import (
 from fp8_dist_checks import check_fp8_equals_one_process
 from fp8_fixtures import export_base, fp8_checkpoint
 from pp_checks import (
+    check_padding_not_computed,
     check_pipeline_equals_one_process,
     check_pipeline_eval_and_export,
     pp_export_equals_one_process,
@@ -174,7 +175,12 @@ def launch(request, references, matrix, fp8_base, one_process_pp_checkpoint, tmp
             matrix_refs[source, micro],
             str(tmp_path_factory.mktemp(f"{layout}_{source}")),
         )
-    if world == 2:
+    if world == 2:  # a stage's layers run the rows' tokens, not the buffers' padding
+        checks["pp_padding"] = named_check(
+            "pp_padding@2",
+            check_padding_not_computed,
+            tuple(o.format(**fill) for o in LAYOUTS["pp2_1f1b_ac"][0]),
+        )
         checks["cross_backend_resume"] = named_check(
             "cross_backend_resume@2",
             check_checkpoints_cross_backends,
@@ -230,6 +236,7 @@ def launch(request, references, matrix, fp8_base, one_process_pp_checkpoint, tmp
         "resume_damaged",
         "resume_lora",
         "cross_backend_resume",
+        "pp_padding",
         *REPEATS,
     ],
 )
