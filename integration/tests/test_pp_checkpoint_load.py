@@ -36,14 +36,17 @@ RECIPE = "qwen3_5_397b_a17b_pp"
 FILES = 200  # about 4 GB each (on paper): each is mapped whole to read its header
 
 
-def _headers_only(folder, recipe) -> dict[str, tuple[int, ...]]:
+def _headers_only(folder, recipe, drop=(), extra=()) -> dict[str, tuple[int, ...]]:
     """The recipe's model as the published checkpoint stores it, headers only (module
-    docstring); returns every on-disk tensor's shape."""
+    docstring), without the tensors ``drop`` and with ``extra`` ones [8]; returns every on-disk
+    tensor's shape."""
     model = build_meta_model(recipe.model)
     shapes = {}
     for name, *_, param in named_parameters(model):
         for disk, shape, _ in on_disk(name, tuple(param.shape), per_expert=True):
-            shapes[disk] = shape
+            if disk not in drop:
+                shapes[disk] = shape
+    shapes |= {name: (8,) for name in extra}
     names = list(shapes)
     weight_map = {}
     for i in range(FILES):
@@ -129,3 +132,20 @@ def test_each_stage_reads_its_own_shards_only(checkpoint, monkeypatch, no_proces
         assert not any(k.startswith(("model.visual", "model.language_model.embed")) for k in read)
     assert sum(read.values()) == held
     assert sum(read.values()) < sum(math.prod(s) * 2 for s in shapes.values()) / 200
+
+
+def test_a_folder_that_does_not_fit_is_one_message_on_every_stage(tmp_path, no_process_group):
+    """A tensor of the FIRST stage missing and one the model has no place for: the last
+    stage's rank names both (the fit is judged on the whole model, so every rank agrees)."""
+    recipe = load_recipe(RECIPE)
+    missing = "model.visual.blocks.0.attn.qkv.weight"
+    _headers_only(tmp_path, recipe, drop=(missing,), extra=("model.visual.unknown",))
+    recipe = load_recipe(RECIPE, [f"model.path={tmp_path}"])
+    with fake_world(recipe.parallel.world, 239):
+        objective, _ = build_training_model(recipe, torch.device("cpu"), materialize=False)
+        model = objective.model
+        with pytest.raises(ValueError) as err:
+            plan_fill(model, weight_sources(model, weights=str(tmp_path)), "cpu")
+    said = str(err.value)
+    assert f"does not fit the recipe's model (2 tensor(s)): {missing}: missing" in said, said
+    assert "model.visual.unknown: on disk, not in the model" in said, said
