@@ -1,9 +1,12 @@
 """The model stage: transformers' Qwen3.5 MoE-VLM with this workspace's MoE blocks, built on
-the meta device and materialised shard by shard (:mod:`.build`, :mod:`.init`, :mod:`.shards`,
-:mod:`.params`), HF checkpoints read straight into shards through one state-dict adapter
-(:mod:`.adapter`, :mod:`.load`) and exported without gathering (:mod:`.export`); the forwards
-packing and CP change (:mod:`.packed`), the training objective (:mod:`.objective`), the FLOP
-model (:mod:`.flops`), and the one way a run builds it (:func:`build_training_model`)."""
+the meta device (:mod:`.build`, :mod:`.config`, :mod:`.params`) and materialised shard by shard
+from its weight sources — the seeded initialisation, a checkpoint folder, an adapter folder —
+judged against the whole model however pipeline stages split it (:mod:`.weights`,
+:mod:`.whole`), and exported without gathering (:mod:`.weights.export`); LoRA (:mod:`.lora`),
+the frozen base in FP8 (:mod:`.fp8`), the multi-token-prediction head (:mod:`.mtp`), pipeline
+stages (:mod:`.pipeline`), the forwards packing and CP change (:mod:`.packed`), the training
+objective (:mod:`.objective`), the FLOP model (:mod:`.flops`), the kernels (:mod:`.kernels`),
+and the one way a run builds it (:func:`build_training_model`)."""
 
 from qwen35_trainer.model.build import (
     build_meta_model,
