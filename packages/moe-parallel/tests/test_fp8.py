@@ -105,6 +105,10 @@ def test_dequantize_equals_the_block_loop_bit_for_bit():
     assert torch.equal(dequantize(data, scale, form, dtype=torch.bfloat16), want.bfloat16())
     with pytest.raises(ValueError, match=r"scale of shape \[6, 5\] .* expected \[5, 6\]"):
         dequantize(data, scale.reshape(6, 5), form)
+    out = torch.full(data.shape, float("nan"))
+    assert dequantize(data, scale, form, out=out) is out and torch.equal(out, want)
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor"):
+        dequantize(data, scale, form, out=out.bfloat16())
 
 
 def _torch_dequantize(data, scale, form, dtype):
@@ -227,36 +231,6 @@ def _per_expert_loop(x, counts, gate_up, down, lora):
             rows.append(w_d @ (F.silu(g) * u))
         start += n
     return torch.stack(rows)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("most", [1, 2, 100])
-def test_fp8_experts_in_pieces_equal_the_whole_weight_bit_for_bit(dtype, most, monkeypatch):
-    """On CPU the FP8 experts run in pieces of at most ``most`` experts (idle experts
-    skipped): output and input gradient are those of one linear over the whole dequantized
-    weight, bit for bit (grouped GEMM in fp32 and bf16, the loop in fp64)."""
-    from moe_parallel.grouped import _fp8_pieces, _linear_of
-
-    counts = [3, 0, 5, 2, 0, 0, 4]
-    form = BlockFormat(BLOCK, 2)
-    gate_up = FP8Weight(*quantize(_weights(len(counts), 32, H, seed=21), form), form)
-    x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(5)).to(dtype)
-    grouped = grouped_mm_works(x, H, 16)
-    assert grouped == (dtype != torch.float64)
-    monkeypatch.setattr("moe_parallel.grouped.CPU_PIECE_ELEMENTS", most * 32 * H)
-    counts_E = torch.tensor(counts)
-    pieces = _fp8_pieces(counts, gate_up, lambda c: _linear_of(torch.tensor(c), grouped))
-    assert [p.experts for p in pieces] == {
-        1: [slice(0, 1), slice(2, 3), slice(3, 4), slice(6, 7)],
-        2: [slice(0, 1), slice(2, 4), slice(6, 7)],
-        100: [slice(0, 1), slice(2, 4), slice(6, 7)],
-    }[most]
-    ours, whole = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y = fp8_linear(ours, gate_up, pieces=pieces)
-    want = fp8_linear(whole, gate_up, _linear_of(counts_E, grouped))
-    assert torch.equal(y, want)
-    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).to(dtype)
-    assert torch.equal(*(torch.autograd.grad(t, z, g)[0] for t, z in ((y, ours), (want, whole))))
 
 
 @pytest.mark.parametrize("path", ["grouped", "loop"])

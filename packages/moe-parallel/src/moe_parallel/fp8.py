@@ -18,18 +18,18 @@ and ``data = e4m3(clamp(W / s, ±448))``; so ``dequantize(quantize(W))`` is ``W`
 resolution, and ``quantize(dequantize(data, scale)) == (data, scale)`` for a block whose amax
 is representable.
 
-Decoding (:func:`dequantize`): torch's float8 → float conversion is an element-by-element
-scalar function on CPU (about 5 ns an element, the whole cost of an FP8 step there). The decode
-here is a table: a block with scale ``s`` can only hold 256 values, ``dtype(float32(b) · s)``
-for the 256 bytes ``b``, so each block's 256 values are computed first (with torch's own
-conversion of the 256 bytes, the same fp32 product and the same single rounding to ``dtype``
-as a by-hand dequantization) and every element is then GATHERED from its block's table by its
-byte (``index_select``, vectorised). The result is today's formula bit for bit by
-construction, including the edge cases: e4m3's subnormals, signed zeros and the NaN bytes
-(0x7F, 0xFF). It works in slices of whole block rows (or of whole matrices when one is small):
-:func:`slice_elements` elements on CPU (the byte indices, the tables and the output slice stay
-in the core's cache), ``CHUNK_ELEMENTS`` elsewhere; a slice's int32 indices are its only
-temporary the size of the slice.
+Decoding (:func:`dequantize`): torch's float8 → float conversion is an
+element-by-element scalar function on CPU (about 5 ns an element: the whole cost of an FP8
+step there). The decode here is a table: a block with scale ``s`` holds at most 256 values,
+``dtype(float32(b) · s)`` for the 256 bytes ``b``, so each block's 256 values are computed
+first — with torch's own conversion of the 256 bytes, the same fp32 product and the same single
+rounding to ``dtype`` as a by-hand dequantization — and every element is then gathered from its
+block's table by its byte (``index_select``, about 0.7 ns an element on one CPU core with its
+index arithmetic). The result is the by-hand formula bit for bit by construction, e4m3's
+subnormals, both zeros and the NaN bytes (0x7F, 0xFF) included. The tables add 256 entries a
+block (1/64 of the weight's elements for 128 × 128 blocks). The decode runs a few block rows at
+a time (:func:`slice_elements`: a core's cache on CPU, ``CHUNK_ELEMENTS`` elsewhere); a slice's
+int32 byte indices are its one temporary, :func:`scratch` memory.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 from typing import NamedTuple
 
 import torch
@@ -46,18 +47,18 @@ __all__ = [
     "E4M3_MAX",
     "FP8_DTYPE",
     "BlockFormat",
-    "Decoder",
     "FP8Weight",
     "dequantize",
     "quantize",
+    "scratch",
     "slice_elements",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-# elements dequantized per slice off CPU: bounds the decode's temporaries (module docstring)
+# elements decoded per slice off CPU: bounds the decode's index temporary (module docstring)
 CHUNK_ELEMENTS = 1 << 24
-# on CPU: a slice's int32 indices (4 bytes an element) and its output stay in a core's L2
+# on CPU: a slice's int32 indices (4 bytes an element) and its output stay in a core's cache
 CPU_SLICE_ELEMENTS = 1 << 18
 # a table's entries: one per byte value
 _BYTES = 256
@@ -118,6 +119,23 @@ def slice_elements(device: torch.device) -> int:
     return CPU_SLICE_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS
 
 
+_scratch = threading.local()
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``numel`` elements of working memory the caller fully overwrites and drops before asking
+    again: on CPU a per-thread buffer reused call after call (a fresh one is pages faulted in
+    every time, and NaN-filled under torch's deterministic mode), elsewhere a fresh tensor (the
+    device's caching allocator reuses memory already)."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
+
+
 @functools.cache
 def _byte_values(device: torch.device) -> torch.Tensor:
     """[256] fp32: the e4m3 value of each byte, by torch's own conversion (the reference)."""
@@ -136,70 +154,39 @@ def _check(data: torch.Tensor, scale: torch.Tensor, form: BlockFormat) -> None:
         raise TypeError(f"FP8 data must be {FP8_DTYPE}, got {data.dtype}")
 
 
-class Decoder:
-    """The tables of one FP8 weight (module docstring), to dequantize any range of its matrices
-    into ``dtype``: :meth:`into` writes stacked matrices ``[m0, m1)`` (of the weight's first
-    dim; the whole 2-D weight for ``(0, 1)``) into a buffer, so a caller that dequantizes
-    piece after piece reuses one buffer and builds the tables once.
-
-    The weight is decoded a few block rows at a time (:func:`slice_elements`): a block row's
-    blocks have consecutive tables, so an element's table index is its byte plus the offset of
-    its column's block in the block row (and the first block row's tables are found by slicing
-    the tables). Where the row blocks tile each matrix, a slice takes several block rows
-    (equal heights); otherwise one block row at a time.
-    """
-
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, form: BlockFormat, dtype):
-        _check(data, scale, form)
-        n, self.rows, cols = _grids(tuple(data.shape), form)
-        self.bo, bi = form.block
-        device = data.device
-        scale_nbc = scale.reshape(n, -1, scale.shape[-1]).float()
-        self.nbr, nbc = scale_nbc.shape[1:]
-        self.per_block_row = nbc * _BYTES
-        # every byte's value in every block: [n, nbr, nbc, 256], in the blocks' order
-        self.tables = (scale_nbc[..., None] * _byte_values(device)).to(dtype).view(-1)
-        tiled = self.rows % self.bo == 0
-        self.group = max(1, slice_elements(device) // (self.bo * cols)) if tiled else 1
-        # [group, 1, cols]: the table index of byte 0 at each column of each block row
-        block_col = torch.arange(cols, device=device) // bi * _BYTES
-        block_row = torch.arange(self.group, device=device) * self.per_block_row
-        index_dtype = torch.int32 if self.tables.numel() < 2**31 else torch.int64
-        self.base = (block_row[:, None, None] + block_col).to(index_dtype)
-        self.index = torch.empty(self.group * self.bo * cols, dtype=index_dtype, device=device)
-        self.bytes_Rc = data.view(torch.uint8).view(-1, cols)
-        self.matrix_rows = self.rows * form.parts  # rows of one matrix of data's first dim
-        self.dtype = dtype
-
-    def into(self, out: torch.Tensor, m0: int = 0, m1: int = 1) -> torch.Tensor:
-        """``out`` (contiguous, ``dtype``) ← the dequantized matrices ``[m0, m1)``; returns it."""
-        cols = self.bytes_Rc.shape[1]
-        first_row = m0 * self.matrix_rows
-        size = (m1 - m0) * self.matrix_rows * cols
-        if out.numel() != size or out.dtype != self.dtype or not out.is_contiguous():
-            raise ValueError(
-                f"out must be a contiguous {self.dtype} tensor of {size} elements, got "
-                f"{out.dtype} {list(out.shape)}"
-            )
-        out_Rc = out.view(-1, cols)
-        parts = self.matrix_rows // self.rows
-        for g in range(m0 * parts * self.nbr, m1 * parts * self.nbr, self.group):
-            count = min(self.group, m1 * parts * self.nbr - g)
-            part, block_row = divmod(g, self.nbr)
-            a = part * self.rows + block_row * self.bo
-            b = (
-                min(a + count * self.bo, part * self.rows + self.rows)
-                if count == 1
-                else a + count * self.bo
-            )
-            shape = (count, (b - a) // count, cols)
-            idx = self.index[: b * cols - a * cols].view(shape)
-            idx.copy_(self.bytes_Rc[a:b].view(shape)).add_(self.base[:count])
-            tables = self.tables[g * self.per_block_row : (g + count) * self.per_block_row]
-            torch.index_select(
-                tables, 0, idx.view(-1), out=out_Rc[a - first_row : b - first_row].view(-1)
-            )
-        return out
+def _decode_into(out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, form: BlockFormat):
+    """``out`` ← the dequantized ``data`` (module docstring), a few block rows at a time: a block
+    row's blocks have consecutive tables, so an element's table index is its byte plus its
+    column block's offset, and the slice's first table is found by slicing the tables. Where
+    the blocks tile each matrix's rows a slice takes several block rows of equal height (and
+    may run on into the next matrix), otherwise one block row."""
+    n, rows, cols = _grids(tuple(data.shape), form)
+    bo, bi = form.block
+    device = data.device
+    scale_nbc = scale.reshape(n, -1, scale.shape[-1]).float()
+    nbr, nbc = scale_nbc.shape[1:]
+    per_block_row = nbc * _BYTES
+    # every byte's value in every block: [n, nbr, nbc, 256], in the blocks' order
+    tables = (scale_nbc[..., None] * _byte_values(device)).to(out.dtype).view(-1)
+    tiled = rows % bo == 0
+    group = max(1, slice_elements(device) // (bo * cols)) if tiled else 1
+    index_dtype = torch.int32 if tables.numel() < 2**31 else torch.int64
+    # [group, 1, cols]: the table index of byte 0 at each column of each block row of a slice
+    block_col = torch.arange(cols, device=device) // bi * _BYTES
+    block_row = torch.arange(group, device=device) * per_block_row
+    base = (block_row[:, None, None] + block_col).to(index_dtype)
+    index = scratch(group * bo * cols, index_dtype, device)
+    bytes_Rc, out_Rc = data.view(torch.uint8).view(-1, cols), out.view(-1, cols)
+    for g in range(0, n * nbr, group):
+        count = min(group, n * nbr - g)
+        matrix, block_row_in_matrix = divmod(g, nbr)
+        a = matrix * rows + block_row_in_matrix * bo
+        b = a + count * bo if tiled else min(a + bo, (matrix + 1) * rows)
+        shape = (count, (b - a) // count, cols)
+        idx = index[: (b - a) * cols].view(shape)
+        idx.copy_(bytes_Rc[a:b].view(shape)).add_(base[:count])
+        first = tables[g * per_block_row : (g + count) * per_block_row]
+        torch.index_select(first, 0, idx.view(-1), out=out_Rc[a:b].view(-1))
 
 
 def dequantize(
@@ -208,13 +195,22 @@ def dequantize(
     form: BlockFormat,
     *,
     dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``float32(data) · scale`` blockwise (module docstring), rounded once to ``dtype``, decoded
-    by each block's table of its 256 values, a slice of :func:`slice_elements` at a time."""
-    decoder = Decoder(data, scale, form, dtype)
-    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    by each block's table of its 256 values; written into ``out`` (contiguous, ``data``'s shape
+    and ``dtype``) when given, else into a new tensor."""
+    _check(data, scale, form)
+    if out is None:
+        out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    elif out.shape != data.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of shape {list(data.shape)}, got "
+            f"{'a contiguous' if out.is_contiguous() else 'a strided'} {out.dtype} tensor of "
+            f"shape {list(out.shape)}"
+        )
     if out.numel():
-        decoder.into(out, 0, math.prod(data.shape[:-2]))
+        _decode_into(out, data, scale, form)
     return out
 
 

@@ -20,18 +20,16 @@ rows' dtype here, as a mixed-precision all-gather would have.
 
 Frozen expert weights held in block-scaled FP8 (:class:`~moe_parallel.fp8.FP8Weight`) are
 dequantized per projection and call, in the rows' dtype, by :func:`moe_parallel.fp8_linear`
-(the backward dequantizes again; the FP8 bytes are what is saved), on the torch backend. On
-CPU they go in pieces (:class:`~moe_parallel.fp8_matmul.Piece`): runs of consecutive experts
-that have rows, about ``CPU_PIECE_ELEMENTS`` weight elements each, so a piece's dequantized
-weights are written and multiplied while they are in the core's cache, and an expert without
-rows is never decoded; each row meets the same per-expert product as over the whole weight.
+(the backward dequantizes again; the FP8 bytes are what is saved), on the torch backend.
+
+On CPU the torch backend runs in pieces of consecutive experts (:mod:`moe_parallel.pieces`:
+small temporaries instead of fresh pages; bit for bit the same result).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 from typing import NamedTuple
 
 import torch
@@ -40,7 +38,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from moe_parallel import te_backend
 from moe_parallel.fp8 import FP8Weight
-from moe_parallel.fp8_matmul import Piece, fp8_linear
+from moe_parallel.fp8_matmul import fp8_linear
+from moe_parallel.pieces import in_pieces
 
 __all__ = ["EXPERT_BACKENDS", "LoRAFactors", "expert_swiglu", "grouped_mm_works", "loop_linear"]
 
@@ -48,8 +47,6 @@ EXPERT_BACKENDS = ("auto", "torch", "te")
 
 _log = logging.getLogger(__name__)
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# FP8 experts on CPU: the weight elements dequantized and multiplied together (module docstring)
-CPU_PIECE_ELEMENTS = 1 << 20
 
 
 @functools.cache
@@ -130,37 +127,16 @@ class LoRAFactors(NamedTuple):
     dropout: float = 0.0
 
 
-def _fp8_pieces(counts: list[int], w: FP8Weight, linear_of) -> list[Piece] | None:
-    """The runs of consecutive experts with rows, at most ``CPU_PIECE_ELEMENTS`` weight
-    elements (one expert at least) each (module docstring); ``None`` (the whole weight at
-    once) when no expert has rows."""
-    most = max(1, CPU_PIECE_ELEMENTS // math.prod(w.shape[1:]))
-    pieces, start, row0, row = [], None, 0, 0
-    for e, n in enumerate([*counts, 0]):
-        if start is not None and (n == 0 or e - start == most):
-            rows = slice(row0, row)
-            pieces.append(Piece(slice(start, e), rows, linear_of(counts[start:e])))
-            start = None
-        if n and start is None:
-            start, row0 = e, row
-        row += n
-    return pieces or None
-
-
-def _adapted(linear, x_MI, w_EOI, a_ERI, b_EOR, lora: LoRAFactors | None, pieces_of=None):
-    """``linear(x, w)`` (``w`` dequantized for the call when it is FP8, in the pieces
-    ``pieces_of(w)`` makes when given) plus, with ``lora``, ``s · linear(linear(drop(x), A),
-    B)`` with the adapters in the rows' dtype."""
-    if isinstance(w_EOI, FP8Weight):
-        pieces = pieces_of(w_EOI) if pieces_of is not None else None
-        y_MO = fp8_linear(x_MI, w_EOI, linear, pieces=pieces)
-    else:
-        y_MO = linear(x_MI, w_EOI)
+def _adapted(linear, x_MI, w_EOI, a_ERI, b_EOR, lora: LoRAFactors | None):
+    """``linear(x, w)`` (``w`` dequantized for the call when it is FP8) plus, with ``lora``,
+    ``linear(s · linear(drop(x), A), B)`` with the adapters in the rows' dtype (the scale on the
+    rank-``r`` rows, not on the ``O``-wide term)."""
+    y_MO = fp8_linear(x_MI, w_EOI, linear) if isinstance(w_EOI, FP8Weight) else linear(x_MI, w_EOI)
     if lora is None:
         return y_MO
     x_in = F.dropout(x_MI, lora.dropout) if lora.dropout else x_MI
     a_ERI, b_EOR = a_ERI.to(x_MI.dtype), b_EOR.to(x_MI.dtype)
-    return y_MO + lora.scale * linear(linear(x_in, a_ERI), b_EOR)
+    return y_MO + linear(lora.scale * linear(x_in, a_ERI), b_EOR)
 
 
 def expert_swiglu(
@@ -222,18 +198,20 @@ def expert_swiglu(
         if x_MH.shape[0] > 0 and key not in _warned:
             _warned.add(key)
             _log.info("torch._grouped_mm unavailable for %s %s: exact per-expert loop", *key)
-    linear = _linear_of(counts_E, grouped)
-    pieces_of = None
-    if fp8 and x_MH.device.type == "cpu":
-        counts = counts_E.tolist()
 
-        def pieces_of(w):
-            return _fp8_pieces(counts, w, lambda c: _linear_of(counts_E.new_tensor(c), grouped))
+    def run(x, counts, gate_up, down, *factors):
+        """The SwiGLU of rows ``x`` grouped by ``counts`` over these experts' weights."""
+        linear = _linear_of(counts, grouped)
+        adapters = LoRAFactors(*factors, lora.scale, lora.dropout) if factors else None
+        a, b = (adapters.gate_up_A, adapters.gate_up_B) if factors else (None, None)
+        gate, up = _adapted(linear, x, gate_up, a, b, adapters).chunk(2, dim=-1)
+        a, b = (adapters.down_A, adapters.down_B) if factors else (None, None)
+        return _adapted(linear, F.silu(gate) * up, down, a, b, adapters)
 
-    a, b = (lora.gate_up_A, lora.gate_up_B) if lora is not None else (None, None)
-    gate, up = _adapted(linear, x_MH, gate_up_E2IH, a, b, lora, pieces_of).chunk(2, dim=-1)
-    a, b = (lora.down_A, lora.down_B) if lora is not None else (None, None)
-    return _adapted(linear, F.silu(gate) * up, down_EHI, a, b, lora, pieces_of)
+    factors = list(lora[:4]) if lora is not None else []
+    if x_MH.device.type == "cpu" and x_MH.shape[0] > 0:
+        return in_pieces(x_MH, counts_E, [gate_up_E2IH, down_EHI, *factors], run)
+    return run(x_MH, counts_E, gate_up_E2IH, down_EHI, *factors)
 
 
 def _linear_of(counts_E: torch.Tensor, grouped: bool):

@@ -1,0 +1,74 @@
+"""The routed experts on CPU in pieces (:mod:`moe_parallel.pieces`) equal one piece bit for bit:
+the output and every gradient (rows, adapters, trainable expert weights), on the grouped GEMM
+(fp32, bf16), the loop (fp64) and FP8 weights, with idle experts first, inside, last and a
+whole idle piece (zero gradients for them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_parallel import BlockFormat, FP8Weight, LoRAFactors, expert_swiglu, quantize
+from moe_parallel.grouped import grouped_mm_works
+from moe_parallel.pieces import expert_pieces
+
+H, INTER, R = 16, 16, 8
+COUNTS = [0, 3, 5, 0, 2, 0, 0, 4, 1, 0]  # idle first, inside, a run of idle, last
+
+
+def test_pieces_close_at_rows_or_weights(monkeypatch):
+    monkeypatch.setattr("moe_parallel.pieces.PIECE_ROWS", 5)
+    monkeypatch.setattr("moe_parallel.pieces.PIECE_WEIGHTS", 300)
+    assert expert_pieces(COUNTS, 100) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert expert_pieces(COUNTS, 1000) == [(e, e + 1) for e in range(10)]
+    monkeypatch.setattr("moe_parallel.pieces.PIECE_ROWS", 100)
+    assert expert_pieces(COUNTS, 1) == [(0, 10)]
+
+
+def _inputs(dtype, fp8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e = len(COUNTS)
+
+    def rand(*shape, scale=0.3):
+        return (scale * torch.randn(*shape, generator=g)).to(dtype).requires_grad_()
+
+    x = rand(sum(COUNTS), H, scale=1.0)
+    weights = [rand(e, 2 * INTER, H), rand(e, H, INTER)]
+    if fp8:
+        forms = BlockFormat((5, 3), 2), BlockFormat((5, 3))
+        weights = [
+            FP8Weight(*quantize(w.detach(), f), f) for w, f in zip(weights, forms, strict=True)
+        ]
+    lora = LoRAFactors(rand(e, R, H), rand(e, 2 * INTER, R), rand(e, R, INTER), rand(e, H, R), 0.5)
+    return x, weights, lora
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fp8"),
+    [
+        (torch.float32, False),
+        (torch.bfloat16, False),
+        (torch.float64, False),
+        (torch.bfloat16, True),
+    ],
+)
+def test_pieces_equal_one_piece_bit_for_bit(dtype, fp8, monkeypatch):
+    x, weights, lora = _inputs(dtype, fp8)
+    assert grouped_mm_works(x, H, INTER, R) == (dtype != torch.float64)
+    leaves = [x, *lora[:4], *(w for w in weights if not fp8)]
+    g = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+    def run():
+        y = expert_swiglu(x, torch.tensor(COUNTS), *weights, backend="torch", lora=lora)
+        return y, torch.autograd.grad(y, leaves, g)
+
+    monkeypatch.setattr("moe_parallel.pieces.PIECE_ROWS", 1 << 30)
+    whole, whole_grads = run()
+    monkeypatch.setattr("moe_parallel.pieces.PIECE_ROWS", 4)  # pieces of 1-2 experts
+    y, grads = run()
+    assert torch.equal(y, whole)
+    for a, b in zip(grads, whole_grads, strict=True):
+        assert torch.equal(a, b)
+    idle = [e for e, n in enumerate(COUNTS) if n == 0]
+    for factor in grads[1:5]:
+        assert torch.count_nonzero(factor[idle]) == 0
