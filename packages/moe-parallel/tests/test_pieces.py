@@ -72,3 +72,46 @@ def test_pieces_equal_one_piece_bit_for_bit(dtype, fp8, monkeypatch):
     idle = [e for e, n in enumerate(COUNTS) if n == 0]
     for factor in grads[1:5]:
         assert torch.count_nonzero(factor[idle]) == 0
+
+
+def test_the_experts_module_in_pieces_equals_the_sorted_rows_bit_for_bit(monkeypatch):
+    """``Experts`` on CPU gathers and scatters piece by piece (``assignments_in_pieces``): the
+    [N, K, H] output, the input's and the adapters' gradients equal those of all rows sorted,
+    computed whole and scattered back (the path expert parallelism keeps), bit for bit."""
+    from moe_parallel import LoRASpec, add_expert_lora
+    from moe_parallel.moe import Experts
+
+    torch.manual_seed(0)
+    experts = Experts(H, len(COUNTS), INTER, backend="torch")
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.3)
+    torch.nn.init.normal_(experts.down_proj, std=0.3)
+    add_expert_lora(experts, LoRASpec(R, 2.0 * R))
+    torch.nn.init.normal_(experts.lora_gate_up_B, std=0.3)
+    torch.nn.init.normal_(experts.lora_down_B, std=0.3)
+    experts.gate_up_proj.requires_grad_(False)
+    top_i = torch.stack([torch.randperm(len(COUNTS))[:3] for _ in range(20)]) % 8  # idle 8, 9
+    x = torch.randn(20, H, requires_grad=True)
+    leaves = [x, *(p for p in experts.parameters() if p.requires_grad)]
+    g = torch.randn(20, 3, H)
+
+    def sorted_whole():
+        flat = top_i.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(COUNTS))
+        y = expert_swiglu(
+            x.index_select(0, order // 3),
+            counts,
+            experts.gate_up_proj,
+            experts.down_proj,
+            backend="torch",
+            lora=experts._lora_factors(),
+        )
+        return torch.zeros(60, H).index_copy(0, order, y).view(20, 3, H)
+
+    want = sorted_whole()
+    want_grads = torch.autograd.grad(want, leaves, g)
+    monkeypatch.setattr("moe_parallel.pieces.PIECE_ROWS", 7)
+    y = experts(x, top_i)
+    assert torch.equal(y, want)
+    for a, b in zip(torch.autograd.grad(y, leaves, g), want_grads, strict=True):
+        assert torch.equal(a, b)

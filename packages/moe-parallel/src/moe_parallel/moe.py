@@ -32,6 +32,7 @@ from torch import nn
 
 from moe_parallel.fp8 import BlockFormat, FP8Weight
 from moe_parallel.grouped import EXPERT_BACKENDS, LoRAFactors, expert_swiglu
+from moe_parallel.pieces import assignments_in_pieces
 
 __all__ = ["ADAPTERS", "MoE", "MoEStats", "load_balancing_loss"]
 
@@ -209,12 +210,24 @@ class Experts(nn.Module):
         flat_i = top_i_NK.reshape(-1)
         order = torch.argsort(flat_i, stable=True)
         counts_E = torch.bincount(flat_i, minlength=self.num_experts)
+        gate_up, down = self._local_weights()
+        lora = self._lora_factors()
+        if self.ep_group is None and x_NH.device.type == "cpu" and order.numel():
+            # on CPU, piece by piece from the tokens to the outputs (moe_parallel.pieces)
+            factors = list(lora[:4]) if lora is not None else []
+
+            def piece(rows_MH, local_counts, gate_up, down, *factors):
+                adapters = LoRAFactors(*factors, lora.scale, lora.dropout) if factors else None
+                return expert_swiglu(
+                    rows_MH, local_counts, gate_up, down, backend=self.backend, lora=adapters
+                )
+
+            weights = [gate_up, down, *factors]
+            return assignments_in_pieces(x_NH, k, order, counts_E, weights, piece)
         # index_select, not x_NH[order // k]: advanced indexing's backward (index_put_ with
         # accumulate) adds a token's k gradient rows with atomics in thread-timing order on a
         # multi-threaded CPU (run-to-run different sums); index_add_ adds them in a fixed order
         x_sorted = x_NH.index_select(0, order // k)
-        gate_up, down = self._local_weights()
-        lora = self._lora_factors()
 
         def compute(rows_MH: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
             return expert_swiglu(
