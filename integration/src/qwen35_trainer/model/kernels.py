@@ -146,10 +146,12 @@ def resolve_kernels(recipe: Any, device_type: str) -> Kernels:
 
 
 def _frozen_base(block: tuple[int, int], dtype: torch.dtype, device_type: str) -> str:
+    if device_type != "cuda" or dtype != torch.bfloat16:
+        return "dequantize"
     from moe_parallel.fp8_gemm import BLOCK, block_scaled_mm_supported
 
-    gemm = tuple(block) == (BLOCK, BLOCK) and dtype == torch.bfloat16 and device_type == "cuda"
-    return "scaled_mm" if gemm and block_scaled_mm_supported(torch.device("cuda")) else "dequantize"
+    gemm = tuple(block) == (BLOCK, BLOCK) and block_scaled_mm_supported(torch.device("cuda"))
+    return "scaled_mm" if gemm else "dequantize"
 
 
 def _asked(recipe: Any, kind: str) -> str:
