@@ -1,7 +1,7 @@
 """The routed experts on CPU in pieces (:mod:`moe_parallel.pieces`) equal one piece bit for bit:
-the output and every gradient (rows, adapters, trainable expert weights), on the grouped GEMM
-(fp32, bf16), the loop (fp64) and FP8 weights, with idle experts first, inside, last and a
-whole idle piece (zero gradients for them)."""
+the output and every gradient (rows, adapters), on the grouped GEMM (fp32, bf16), the loop
+(fp64) and FP8 weights, with idle experts first, inside, last and a whole idle piece (zero
+gradients for them); trained expert weights are not split into pieces."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from moe_parallel import BlockFormat, FP8Weight, LoRAFactors, expert_swiglu, quantize
 from moe_parallel.grouped import grouped_mm_works
-from moe_parallel.pieces import expert_pieces
+from moe_parallel.pieces import expert_pieces, takes_pieces
 
 H, INTER, R = 16, 16, 8
 COUNTS = [0, 3, 5, 0, 2, 0, 0, 4, 1, 0]  # idle first, inside, a run of idle, last
@@ -33,7 +33,7 @@ def _inputs(dtype, fp8, seed=0):
         return (scale * torch.randn(*shape, generator=g)).to(dtype).requires_grad_()
 
     x = rand(sum(COUNTS), H, scale=1.0)
-    weights = [rand(e, 2 * INTER, H), rand(e, H, INTER)]
+    weights = [rand(e, 2 * INTER, H).detach(), rand(e, H, INTER).detach()]  # frozen
     if fp8:
         forms = BlockFormat((5, 3), 2), BlockFormat((5, 3))
         weights = [
@@ -55,7 +55,7 @@ def _inputs(dtype, fp8, seed=0):
 def test_pieces_equal_one_piece_bit_for_bit(dtype, fp8, monkeypatch):
     x, weights, lora = _inputs(dtype, fp8)
     assert grouped_mm_works(x, H, INTER, R) == (dtype != torch.float64)
-    leaves = [x, *lora[:4], *(w for w in weights if not fp8)]
+    leaves = [x, *lora[:4]]
     g = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(1)).to(dtype)
 
     def run():
@@ -63,8 +63,10 @@ def test_pieces_equal_one_piece_bit_for_bit(dtype, fp8, monkeypatch):
         return y, torch.autograd.grad(y, leaves, g)
 
     monkeypatch.setattr("moe_parallel.pieces.PIECE_ROWS", 1 << 30)
+    assert not takes_pieces(x.shape[0], x.device, *weights)  # all rows at once
     whole, whole_grads = run()
     monkeypatch.setattr("moe_parallel.pieces.PIECE_ROWS", 4)  # pieces of 1-2 experts
+    assert takes_pieces(x.shape[0], x.device, *weights)
     y, grads = run()
     assert torch.equal(y, whole)
     for a, b in zip(grads, whole_grads, strict=True):
@@ -89,6 +91,7 @@ def test_the_experts_module_in_pieces_equals_the_sorted_rows_bit_for_bit(monkeyp
     torch.nn.init.normal_(experts.lora_gate_up_B, std=0.3)
     torch.nn.init.normal_(experts.lora_down_B, std=0.3)
     experts.gate_up_proj.requires_grad_(False)
+    experts.down_proj.requires_grad_(False)
     top_i = torch.stack([torch.randperm(len(COUNTS))[:3] for _ in range(20)]) % 8  # idle 8, 9
     x = torch.randn(20, H, requires_grad=True)
     leaves = [x, *(p for p in experts.parameters() if p.requires_grad)]
@@ -111,6 +114,8 @@ def test_the_experts_module_in_pieces_equals_the_sorted_rows_bit_for_bit(monkeyp
     want = sorted_whole()
     want_grads = torch.autograd.grad(want, leaves, g)
     monkeypatch.setattr("moe_parallel.pieces.PIECE_ROWS", 7)
+    assert takes_pieces(60, x.device, experts.gate_up_proj, experts.down_proj)
+    assert not takes_pieces(60, x.device, experts.gate_up_proj, experts.lora_down_A)  # trained
     y = experts(x, top_i)
     assert torch.equal(y, want)
     for a, b in zip(torch.autograd.grad(y, leaves, g), want_grads, strict=True):

@@ -22,8 +22,8 @@ Frozen expert weights held in block-scaled FP8 (:class:`~moe_parallel.fp8.FP8Wei
 dequantized per projection and call, in the rows' dtype, by :func:`moe_parallel.fp8_linear`
 (the backward dequantizes again; the FP8 bytes are what is saved), on the torch backend.
 
-On CPU the torch backend runs in pieces of consecutive experts (:mod:`moe_parallel.pieces`:
-small temporaries instead of fresh pages; bit for bit the same result).
+On CPU with frozen expert weights the torch backend runs in pieces of consecutive experts
+(:mod:`moe_parallel.pieces`: small temporaries instead of fresh pages; bit for bit the same).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from moe_parallel import te_backend
 from moe_parallel.fp8 import FP8Weight
 from moe_parallel.fp8_matmul import fp8_linear
-from moe_parallel.pieces import in_pieces
+from moe_parallel.pieces import in_pieces, takes_pieces
 
 __all__ = ["EXPERT_BACKENDS", "LoRAFactors", "expert_swiglu", "grouped_mm_works", "loop_linear"]
 
@@ -209,7 +209,7 @@ def expert_swiglu(
         return _adapted(linear, F.silu(gate) * up, down, a, b, adapters)
 
     factors = list(lora[:4]) if lora is not None else []
-    if x_MH.device.type == "cpu" and x_MH.shape[0] > 0:
+    if takes_pieces(x_MH.shape[0], x_MH.device, gate_up_E2IH, down_EHI):
         return in_pieces(x_MH, counts_E, [gate_up_E2IH, down_EHI, *factors], run)
     return run(x_MH, counts_E, gate_up_E2IH, down_EHI, *factors)
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from moe_parallel.fp8 import BlockFormat, FP8Weight
 from moe_parallel.grouped import EXPERT_BACKENDS, LoRAFactors, expert_swiglu
-from moe_parallel.pieces import assignments_in_pieces
+from moe_parallel.pieces import assignments_in_pieces, takes_pieces
 
 __all__ = ["ADAPTERS", "MoE", "MoEStats", "load_balancing_loss"]
 
@@ -212,7 +212,7 @@ class Experts(nn.Module):
         counts_E = torch.bincount(flat_i, minlength=self.num_experts)
         gate_up, down = self._local_weights()
         lora = self._lora_factors()
-        if self.ep_group is None and x_NH.device.type == "cpu" and order.numel():
+        if self.ep_group is None and takes_pieces(order.numel(), x_NH.device, gate_up, down):
             # on CPU, piece by piece from the tokens to the outputs (moe_parallel.pieces)
             factors = list(lora[:4]) if lora is not None else []
 

@@ -8,7 +8,10 @@ first touch: several times the cost of the pass that fills it), written out of c
 back. A per-expert loop has neither problem, which made a naive loop over merged weights as
 fast as the grouped path despite its extra weight-gradient GEMMs.
 
-So on CPU the experts run in pieces: consecutive experts of about ``PIECE_ROWS`` rows and at
+So on CPU, for more rows than a piece holds and with the expert weights frozen (LoRA, an FP8
+base; a trained weight's gradient would be assembled from the pieces' again, a full-size
+copy), the experts run in pieces:
+consecutive experts of about ``PIECE_ROWS`` rows and at
 most ``PIECE_WEIGHTS`` elements of one projection's weights, each piece's SwiGLU (projections,
 adapters, FP8 dequantization) whole before the next, so its temporaries are a few MiB the
 allocator reuses. :func:`in_pieces` (inside :func:`moe_parallel.expert_swiglu`) splits sorted
@@ -30,12 +33,27 @@ import torch
 
 from moe_parallel.fp8 import FP8Weight
 
-__all__ = ["PIECE_ROWS", "PIECE_WEIGHTS", "assignments_in_pieces", "expert_pieces", "in_pieces"]
+__all__ = [
+    "PIECE_ROWS",
+    "PIECE_WEIGHTS",
+    "assignments_in_pieces",
+    "expert_pieces",
+    "in_pieces",
+    "takes_pieces",
+]
 
 # a piece's rows: its temporaries, [rows, 2I] and [rows, H] a few, stay a few MiB
 PIECE_ROWS = 2048
 # a piece's weight elements of one projection: bounds an FP8 piece's dequantized weights
 PIECE_WEIGHTS = 1 << 24
+
+
+def takes_pieces(rows: int, device: torch.device, *weights) -> bool:
+    """Whether the experts run in pieces (module docstring): more than ``PIECE_ROWS`` rows
+    (token, expert assignments) on CPU and the expert weights frozen (a trained weight's
+    gradient would be assembled from the pieces' again)."""
+    frozen = all(isinstance(w, FP8Weight) or not w.requires_grad for w in weights)
+    return device.type == "cpu" and rows > PIECE_ROWS and frozen
 
 
 def expert_pieces(counts: list[int], weights_per_expert: int) -> list[tuple[int, int]]:
