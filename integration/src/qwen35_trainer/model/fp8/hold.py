@@ -19,7 +19,9 @@ as stored, or a bf16 checkpoint quantized on load).
 Compute: :func:`base_linear` is the one linear of a (possibly FP8) projection;
 :func:`moe_parallel.fp8_linear` dequantizes the weight in the activations' dtype for the call
 and again in the backward, saving only the FP8 bytes, so the model never holds its base in bf16
-(the routed experts do the same per layer, for this rank's experts only). A module trained in
+(the routed experts do the same per layer, for this rank's experts only); on a GPU that runs
+torch's block-scaled FP8 GEMM, a projection in 128 × 128 blocks goes through it instead
+(:mod:`moe_parallel.fp8_gemm`; the kernel report says which). A module trained in
 full (``model.lora.train_modules``, e.g. the MTP head) keeps its precision: an FP8 weight cannot
 take an optimizer step.
 """
