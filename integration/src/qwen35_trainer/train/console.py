@@ -121,8 +121,9 @@ def _weights_line(recipe: Recipe) -> str | None:
     if model.fp8_base:
         source = "as the checkpoint stores it" if model.quantization else "quantized on load"
         return (
-            f"frozen base: FP8 e4m3 in blocks of {list(model.block)} ({source}), dequantized "
-            f"to {dtype} per projection as it runs; the LoRA adapters train in float32"
+            f"frozen base: FP8 e4m3 in blocks of {list(model.block)} ({source}), computed as "
+            f"the kernels line says (the block-scaled FP8 GEMM, or dequantized to {dtype} per "
+            "projection); the LoRA adapters train in float32"
         )
     if model.lora is not None:
         return f"frozen base: {dtype}; the LoRA adapters train in float32"
