@@ -146,5 +146,5 @@ def test_missing_transformer_engine_names_the_extra(monkeypatch):
     gate_up, down = _weights()
     assert not te_backend.te_available()  # so "auto" takes torch, and "te" raises:
     te_backend.te_available.cache_clear()
-    with pytest.raises(ImportError, match=r"moe-parallel\[gpu\]"):
+    with pytest.raises(ImportError, match=r"moe-parallel\[te\]"):
         expert_swiglu(torch.randn(2, 16), torch.tensor([1, 1, 0, 0]), gate_up, down, backend="te")
