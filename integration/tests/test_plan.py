@@ -239,7 +239,9 @@ WORLD2 = {
         *ONE_PROCESS,
         "parallel.pp=2",
         "data.packing=true",
-        "data.pack_length=256",
+        # a micro-batch's row exactly (2 samples of 66 tokens, to a multiple of 8): the planner
+        # plans full rows, and the stages compute a row's tokens only (not its padding)
+        "data.pack_length=136",
         "data.samples_per_rank=4",
         "train.grad_accum_steps=2",
         "train.eval_every=0",
