@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from qwen35_trainer.model.flops import PEAK_BF16_FLOPS
+from qwen35_trainer.plan.flags import named_values
 
 __all__ = ["GPUS", "Hardware", "hardware"]
 
@@ -56,16 +57,5 @@ def hardware(name: str = "h100", sets: list[str] | tuple[str, ...] = ()) -> Hard
     if name not in GPUS:
         raise ValueError(f"--gpu {name!r}: expected one of {sorted(GPUS)}")
     fields = [f.name for f in dataclasses.fields(Hardware) if f.name != "name"]
-    values = {}
-    for item in sets:
-        key, _, raw = item.partition("=")
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
-        if key not in fields or value <= 0:
-            raise ValueError(
-                f"--gpu-set {item!r}: expected NAME=VALUE with NAME one of {fields} and VALUE > 0"
-            )
-        values[key] = value
+    values = named_values(sets, fields, "--gpu-set", lambda v: v > 0, "VALUE > 0")
     return dataclasses.replace(GPUS[name], **values)

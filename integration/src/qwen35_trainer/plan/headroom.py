@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from qwen35_trainer.plan.flags import named_values
+
 __all__ = ["Headroom", "process_groups"]
 
 GIB = 1 << 30
@@ -45,19 +47,7 @@ class Headroom:
     def parse(cls, items: list[str]) -> Headroom:
         """``NAME=VALUE`` items over the defaults; ``ValueError`` naming a bad one."""
         names = [f.name for f in dataclasses.fields(cls)]
-        values = {}
-        for item in items:
-            name, _, raw = item.partition("=")
-            try:
-                value = float(raw)
-            except ValueError:
-                value = -1.0
-            if name not in names or value < 0:
-                raise ValueError(
-                    f"--headroom {item!r}: expected NAME=VALUE with NAME one of "
-                    f"{names} and VALUE >= 0"
-                )
-            values[name] = value
+        values = named_values(items, names, "--headroom", lambda v: v >= 0, "VALUE >= 0")
         return cls(**values)
 
     def terms(self, transient: int, groups: int) -> dict[str, int]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from qwen35_trainer.plan.flags import named_values
 from qwen35_trainer.plan.hardware import Hardware
 from qwen35_trainer.plan.nodes import crossing_groups
 from qwen35_trainer.plan.traffic import PER_MICROBATCH
@@ -105,19 +106,7 @@ class Efficiency:
     def parse(cls, items: list[str]) -> Efficiency:
         """``NAME=VALUE`` items over the defaults; ``ValueError`` naming a bad one."""
         names = [f.name for f in dataclasses.fields(cls)]
-        values = {}
-        for item in items:
-            name, _, raw = item.partition("=")
-            try:
-                value = float(raw)
-            except ValueError:
-                value = -1.0
-            if name not in names or not 0 < value <= 1:
-                raise ValueError(
-                    f"--efficiency {item!r}: expected NAME=VALUE with NAME one of {names} and "
-                    "0 < VALUE <= 1"
-                )
-            values[name] = value
+        values = named_values(items, names, "--efficiency", lambda v: 0 < v <= 1, "0 < VALUE <= 1")
         return dataclasses.replace(cls(), **values)
 
 
