@@ -48,13 +48,18 @@ def _export_folder(folder: Path) -> Path:
 
 def matrix_folders(root: Path, fp8: Path) -> dict[str, str]:
     """Every source's folder (``resume``: the parent of the one-process step-1 checkpoints,
-    one per micro-batch count, ``{resume}/micro{M}``)."""
+    one per micro-batch count, ``{resume}/micro{M}``; ``adapter``: a PEFT adapter folder)."""
     folders = {
         "hf": _hf_folder(root / "hf"),
         "fp8": fp8,
         "export": _export_folder(root / "export"),
         "resume": root / "resume",
     }
+    adapter = root / "adapter"  # a PEFT adapter folder: a one-step LoRA run's export
+    lora = source_overrides("lora_init", {**folders, "adapter": ""}, 1)
+    lora = tuple(o for o in lora if not o.startswith("model.lora.init_from="))
+    train(layout_recipe(1, *lora, "train.steps=1", f"train.export_dir={adapter}"))
+    folders["adapter"] = adapter
     for micro in (1, 2):
         source = source_overrides("resume", folders, micro)
         stopped = tuple(o for o in source if not o.startswith("train.checkpoint_dir="))

@@ -12,7 +12,10 @@ Sources (``{...}`` filled by the launch fixture with the folders test_train_dp.p
 - ``export``: this trainer's own export — sharded safetensors with an index, the experts
   stacked, the MTP head per expert;
 - ``resume``: a training checkpoint (one process stopped after step 1, the MTP head trained):
-  each layout resumes from its own copy and runs steps 2..3.
+  each layout resumes from its own copy and runs steps 2..3;
+- ``lora_init``: LoRA on the ``export`` folder started from a PEFT adapter folder
+  (``model.lora.init_from``: this trainer's PEFT export of a one-step LoRA run, the routers and
+  ``lm_head`` saved in full).
 
 Layouts: DP 2 · EP 2, CP 2 · EP 2, TP 2 + SP, PP 2 (world 2); PP 2 × CP 2 · EP 2, HSDP (2
 replicas × 2 shards) (world 4); the one-process runs are the references (and the ``export``
@@ -42,6 +45,13 @@ MATRIX_SOURCES = {
     "fp8_lora": ("model.path={fp8}", *LORA, "model.lora.rank=8", "model.mtp_layers=1"),
     "export": ("model.path={export}", "model.mtp_layers=1"),
     "resume": ("model.mtp_layers=1", "train.checkpoint_dir={resume}"),
+    "lora_init": (
+        "model.path={export}",
+        "model.mtp_layers=1",
+        *LORA,
+        "model.lora.train_modules=[mlp.gate, lm_head]",
+        "model.lora.init_from={adapter}",
+    ),
 }
 
 # layout -> (overrides, micro-batches per step of its reference, world sizes)
@@ -84,6 +94,7 @@ COMPARE = {
     "fp8_lora": {"fields": (*FIELDS, "mtp_loss")},
     "export": {"fields": (*FIELDS, "mtp_loss")},
     "resume": {"fields": (*FIELDS, "mtp_loss")},
+    "lora_init": {"fields": (*FIELDS, "mtp_loss")},
 }
 
 
