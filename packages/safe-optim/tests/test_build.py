@@ -84,13 +84,14 @@ def test_torch_backends_are_built_unwrapped(name, cls):
 IMPLS = [{"foreach": False}, {"foreach": True}, {"fused": True}]
 
 
-def _assert_adamw_unchanged(impl: dict, device: str) -> None:
-    """Same class, same code path: bit-identical to constructing torch's AdamW directly."""
+def _stepped_against_torch(device: str, impl: dict, ref_impl: dict) -> torch.optim.Optimizer:
+    """``build_optimizer(..., "adamw", **impl)`` stepped three times next to torch's AdamW built
+    with ``ref_impl``, an empty tensor (an FSDP2 shard) among the parameters; asserts the
+    parameters equal bit for bit and returns the built optimizer."""
     mine = [nn.Parameter(_p(*s, seed=i).to(device)) for i, s in enumerate([(3, 2), (0, 4), (5,)])]
     theirs = [nn.Parameter(p.detach().clone()) for p in mine]
     opt = build_optimizer(mine, "adamw", lr=1e-2, weight_decay=0.1, **impl)
-    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, **impl)
-    assert type(opt) is torch.optim.AdamW
+    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, **ref_impl)
     for step in range(3):
         for ps, o in ((mine, opt), (theirs, ref)):
             for i, p in enumerate(ps):
@@ -98,6 +99,12 @@ def _assert_adamw_unchanged(impl: dict, device: str) -> None:
             o.step()
     for a, b in zip(mine, theirs, strict=True):
         assert torch.equal(a, b)
+    return opt
+
+
+def _assert_adamw_unchanged(impl: dict, device: str) -> None:
+    """Same class, same code path: bit-identical to constructing torch's AdamW directly."""
+    assert type(_stepped_against_torch(device, impl, impl)) is torch.optim.AdamW
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -112,24 +119,6 @@ def test_torch_adamw_paths_unchanged_on_gpu(impl):
     _assert_adamw_unchanged(impl, "cuda")
 
 
-def _steps_like_torch_fused(device: str, **ref_impl) -> torch.optim.Optimizer:
-    """``build_optimizer(..., "adamw")`` with no implementation named, stepped three times next
-    to torch's AdamW built with ``ref_impl``, an empty tensor (an FSDP2 shard) among the
-    parameters; returns the built optimizer after asserting the parameters equal."""
-    mine = [nn.Parameter(_p(*s, seed=i).to(device)) for i, s in enumerate([(3, 2), (0, 4), (5,)])]
-    theirs = [nn.Parameter(p.detach().clone()) for p in mine]
-    opt = build_optimizer(mine, "adamw", lr=1e-2, weight_decay=0.1)
-    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, **ref_impl)
-    for step in range(3):
-        for ps, o in ((mine, opt), (theirs, ref)):
-            for i, p in enumerate(ps):
-                p.grad = torch.full_like(p, 0.1 * (step + 1) * (i + 1)).sin()
-            o.step()
-    for a, b in zip(mine, theirs, strict=True):
-        assert torch.equal(a, b)
-    return opt
-
-
 def test_adamw_and_adam_take_torchs_fused_kernel_on_a_fused_device(monkeypatch):
     """The rule, exercised on CPU by listing the CPU as a fused device (on a real run: CUDA):
     "adamw" / "adam" get ``fused=True`` — the same steps as torch's fused AdamW, an empty
@@ -139,7 +128,7 @@ def test_adamw_and_adam_take_torchs_fused_kernel_on_a_fused_device(monkeypatch):
 
     assert build_optimizer([P], "adamw").defaults["fused"] is None  # CPU: torch's default
     monkeypatch.setattr(safe_optim.build, "FUSED_DEVICE_TYPES", ("cpu",))
-    opt = _steps_like_torch_fused("cpu", fused=True)
+    opt = _stepped_against_torch("cpu", {}, {"fused": True})
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
     assert build_optimizer([P, Q], "adam").defaults["fused"] is True
     assert build_optimizer([P], "adamw", foreach=True).defaults["fused"] is None
@@ -152,7 +141,7 @@ def test_adamw_and_adam_take_torchs_fused_kernel_on_a_fused_device(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_adamw_on_cuda_is_torchs_fused_adamw_and_equals_the_for_loop():
-    opt = _steps_like_torch_fused("cuda", fused=True)
+    opt = _stepped_against_torch("cuda", {}, {"fused": True})
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
     # the fused kernel against torch's for-loop AdamW (an independent implementation)
     mine = [nn.Parameter(_p(64, 33, seed=3).cuda()), nn.Parameter(torch.empty(0, device="cuda"))]

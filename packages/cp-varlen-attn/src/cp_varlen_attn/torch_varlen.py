@@ -74,6 +74,15 @@ def varlen_args(pieces: list[Piece], device: torch.device):
     return key_rows, cu_q, cu_k, max(q_lens), max(k_lens)
 
 
+def _packed(q_THD, k_RHD, v_RHD, pieces: list[Piece]):
+    """The positional arguments both varlen kernels take: ``(q, k [K], v [K], cu_seq_q,
+    cu_seq_k, max_q, max_k)``, the keys and values of every piece gathered in piece order
+    (:func:`varlen_args`)."""
+    key_rows, cu_q, cu_k, max_q, max_k = varlen_args(pieces, q_THD.device)
+    keys, values = k_RHD.index_select(0, key_rows), v_RHD.index_select(0, key_rows)
+    return q_THD, keys, values, cu_q, cu_k, max_q, max_k
+
+
 def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
 
@@ -90,15 +99,8 @@ def torch_varlen_pieces(q_THD, k_RHD, v_RHD, pieces: list[Piece], scale: float, 
         return q_THD.new_zeros(0, q_THD.shape[1], v_RHD.shape[2])
     if q_THD.is_cuda:
         activate_fa3(q_THD.device)
-    key_rows, cu_q, cu_k, max_q, max_k = varlen_args(pieces, q_THD.device)
     return _varlen_attn()(
-        q_THD,
-        k_RHD.index_select(0, key_rows),
-        v_RHD.index_select(0, key_rows),
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
+        *_packed(q_THD, k_RHD, v_RHD, pieces),
         scale=scale,
         window_size=(-1, 0) if causal else (-1, -1),
         enable_gqa=q_THD.shape[1] != k_RHD.shape[1],
@@ -112,15 +114,8 @@ def flash_pieces(q_THD, k_RHD, v_RHD, pieces: list[Piece], scale: float, causal:
 
     if not pieces:
         return q_THD.new_zeros(0, q_THD.shape[1], v_RHD.shape[2])
-    key_rows, cu_q, cu_k, max_q, max_k = varlen_args(pieces, q_THD.device)
     return flash_attn_varlen_func(
-        q_THD,
-        k_RHD.index_select(0, key_rows),
-        v_RHD.index_select(0, key_rows),
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
+        *_packed(q_THD, k_RHD, v_RHD, pieces),
         softmax_scale=scale,
         causal=causal,
     )
