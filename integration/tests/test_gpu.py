@@ -1,6 +1,7 @@
 """The assembled trainer on GPUs (``nox -s gpu`` on a lent device; skipped without CUDA): the
 kernel report names the fast kernels the ``gpu`` extra brings, LoRA trains on CUDA with the
-experts' adapters on the torch grouped path (and on an FP8 base: the dequantize path), async TP (2 GPUs: TP 2 with
+experts' adapters on the torch grouped path (and on an FP8 base: the dequantize path, whose
+memory the planner prices as one decode's peak), async TP (2 GPUs: TP 2 with
 sequence parallelism, compiled blocks) fuses its collectives into the matmuls and trains the same
 losses as async TP off, and megatron-fsdp (2 GPUs: real CUDA streams and NCCL, which the CPU
 parity tests stand in for) trains the same step as FSDP2, and PP 2 (its P2P over NCCL) trains as
@@ -80,6 +81,29 @@ def test_lora_on_an_fp8_base_trains_on_cuda_and_the_report_says_dequantize():
     model = adapted.objective.model
     assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
     assert all(p.requires_grad == (".lora" in n) for n, p in model.named_parameters())
+
+
+def test_the_planned_dequantization_bytes_are_one_decodes_peak_on_cuda():
+    """``plan``'s ``dequantized`` line (a weight in bf16, its decode tables, one slice's int32
+    indices) against the CUDA allocator's peak over one decode of experts' ``gate_up_proj``
+    [16, 1024, 2048] in 128 x 128 blocks (two slices of CHUNK_ELEMENTS): equal within 2 MiB
+    (the decode's few small index tensors)."""
+    from torch import nn
+
+    from moe_parallel import BlockFormat, dequantize, quantize
+    from qwen35_trainer.plan.memory import _dequantized
+
+    form = BlockFormat((128, 128), 2)
+    data, scale = quantize(torch.randn(16, 1024, 2048, device="cuda"), form)
+    holder = nn.Module()
+    holder.register_parameter("gate_up_proj", nn.Parameter(data, requires_grad=False))
+    holder.register_parameter("gate_up_proj_scale_inv", nn.Parameter(scale, requires_grad=False))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    dequantize(data, scale, form, dtype=torch.bfloat16)
+    peak = torch.cuda.max_memory_allocated() - before
+    assert abs(_dequantized(holder, 2) - peak) <= 2 << 20, (_dequantized(holder, 2), peak)
 
 
 def _two_rank_run(out, *overrides: str) -> tuple[list[float], str]:

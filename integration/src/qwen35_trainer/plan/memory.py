@@ -41,8 +41,9 @@ with a real run's saved tensors):
   full are, under bf16, each cast to a bf16 copy for the compute (``lm_head`` by the loss);
 - ``dequantized``: a base held in FP8 (:mod:`qwen35_trainer.model.fp8.hold`) is dequantized one
   weight at a time as it runs: the largest such weight on this rank (a layer's local experts'
-  ``gate_up_proj``) in ``b``, plus the dequantization's two fp32 temporaries of at most
-  :data:`moe_parallel.fp8.CHUNK_ELEMENTS` elements;
+  ``gate_up_proj``) in ``b``, plus its decode's temporaries (:func:`moe_parallel.dequantize`):
+  the tables of its blocks' 256 values, built in fp32 then kept in ``b``, and afterwards one
+  slice's int32 byte indices of at most :data:`moe_parallel.fp8.CHUNK_ELEMENTS` elements;
 - ``pp_grads`` (pipeline parallelism under FSDP): torch's pipeline stages turn FSDP's gradient
   sync off for every micro-batch but the last, so each unit's gradients stay unsharded and
   accumulate in fp32 from the first backward to the step's reduce-scatter: every trained
@@ -81,6 +82,8 @@ __all__ = ["ROUTING_SKEW", "Memory", "Shape", "memory", "parameter_bytes"]
 # Assumed tokens on the busiest EP rank over the mean (routing is not balanced exactly).
 ROUTING_SKEW = 1.5
 LOSS_CHUNK_BYTES = 256 << 20
+# the entries of one FP8 block's decode table: a value per byte
+_BYTE_VALUES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,15 +163,19 @@ def _unit_bytes(unit: nn.Module, ep: int, b: int) -> int:
 
 
 def _dequantized(model: nn.Module, b: int) -> int:
-    """The largest FP8 weight of this rank dequantized in ``b`` bytes, plus the two fp32
-    temporaries of one dequantized slice (module docstring); 0 without an FP8 base."""
+    """The most any one FP8 weight of this rank takes dequantized in ``b`` bytes with its
+    decode's temporaries (module docstring); 0 without an FP8 base."""
     from moe_parallel.fp8 import CHUNK_ELEMENTS
 
-    largest = max(
-        (_local_numel(p) for _, _, _, p in named_parameters(model) if p.dtype.itemsize == 1),
-        default=0,
-    )
-    return largest * b + 2 * min(largest, CHUNK_ELEMENTS) * 4
+    most = 0
+    for _, module, attr, param in named_parameters(model):
+        if param.dtype.itemsize != 1:
+            continue
+        numel = _local_numel(param)
+        tables = _local_numel(getattr(module, f"{attr}_scale_inv")) * _BYTE_VALUES
+        temporaries = max(tables * (4 + b), tables * b + min(numel, CHUNK_ELEMENTS) * 4)
+        most = max(most, numel * b + temporaries)
+    return most
 
 
 def _block_working_set(text, s: int, ep_rows: float, b: int, full: bool) -> int:
