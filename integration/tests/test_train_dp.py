@@ -59,6 +59,7 @@ from pp_checks import (
     pp_resume_in_one_process,
 )
 from pp_layouts import PP_EXPORTED, PP_RESUMED
+from resource_checks import check_runs_release_what_they_create
 from source_checks import check_from_source, matrix_folders, matrix_references
 from source_matrix import MATRIX_LAYOUTS, MATRIX_SOURCES, REFUSED, ROWS, cells
 from train_layouts import REPEATS, RESUMED, RESUMED_AT_2
@@ -181,6 +182,12 @@ def launch(request, references, matrix, fp8_base, one_process_pp_checkpoint, tmp
             check_padding_not_computed,
             tuple(o.format(**fill) for o in LAYOUTS["pp2_1f1b_ac"][0]),
         )
+        checks["runs_release"] = named_check(
+            "runs_release@2",
+            check_runs_release_what_they_create,
+            str(tmp_path_factory.mktemp("runs_release")),
+            "parallel.ep=2",
+        )
         checks["cross_backend_resume"] = named_check(
             "cross_backend_resume@2",
             check_checkpoints_cross_backends,
@@ -237,6 +244,7 @@ def launch(request, references, matrix, fp8_base, one_process_pp_checkpoint, tmp
         "resume_lora",
         "cross_backend_resume",
         "pp_padding",
+        "runs_release",
         *REPEATS,
     ],
 )

@@ -352,7 +352,11 @@ LAYOUTS |= {
 # each checkpoint written after an evaluation, whose forward put the compute parameters in place;
 # HSDP: each shard written once, by one of its replicas, and read by both)
 RESUMED = {"megatron_bf16", "megatron_hsdp_cp2_accum"}
-RESUMED_AT_2 = ("cross_backend_resume", "pp_padding")  # the checks at world 2 only besides LAYOUTS
+RESUMED_AT_2 = (
+    "cross_backend_resume",
+    "pp_padding",
+    "runs_release",
+)  # the checks at world 2 only besides LAYOUTS
 
 VARIANTS = {
     "base": (),

@@ -323,7 +323,8 @@ def _main(argv: list[str] | None) -> int:
         logging.basicConfig(level=logging.INFO, format="qwen35-train: %(message)s")
     console = Console(recipe.train.steps, recipe.train.log_every, printing)
     try:
-        logs = train(recipe, on_step=console.step).logs
+        with train(recipe, on_step=console.step) as result:
+            logs = result.logs
     except FloatingPointError as err:
         say(str(err))
         return EXIT_NON_FINITE

@@ -40,7 +40,14 @@ from torch.distributed.tensor.parallel import (
 
 import fsdp_compat.fsdp2
 from dist_testkit import assert_close, assert_grads_close, make_mesh, named_check, run_checks
-from fsdp_compat import MixedPrecision, clip_grad_norm, flatten_mesh, get_mesh_dim, shard_model
+from fsdp_compat import (
+    MixedPrecision,
+    clip_grad_norm,
+    flatten_mesh,
+    get_mesh_dim,
+    release,
+    shard_model,
+)
 
 STEPS = 3
 # DCP's object collectives (gather/scatter of the save plan) go through numpy.
@@ -79,6 +86,50 @@ def check_parity_dp_cp() -> list[int]:
     data = batches(dist.get_world_size(), STEPS)
     _train_and_compare(model, reference, data, dist.get_rank(), optimizer)
     return [p.to_local().numel() for p in model.parameters()]
+
+
+def _train_and_drop():
+    """Two ``Linear`` units under a root without parameters of its own, sharded on a mesh of its
+    own: one training forward and backward and one evaluation forward, released, its groups
+    destroyed; a weak reference to it."""
+    import weakref
+
+    from torch.distributed.distributed_c10d import _world
+
+    groups = set(_world.pg_map)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    mesh = make_mesh((dist.get_world_size(),), ("dp",))
+    for unit in [*model, model]:
+        fully_shard(unit, mesh=mesh)
+    x = torch.randn(4, 8)
+    model(x).square().mean().backward()
+    with torch.no_grad():
+        model(x)
+    release(model)
+    for new in [g for g in _world.pg_map if g not in groups]:
+        dist.destroy_process_group(new)
+    return weakref.ref(model)
+
+
+def _threads() -> int:
+    import gc
+    import os
+
+    gc.collect()
+    return len(os.listdir("/proc/self/task"))
+
+
+def check_release_frees_the_model_and_its_threads() -> None:
+    """Released, a trained and evaluated model and its process groups' threads are freed with
+    its last reference. (That FSDP2's run-time lists keep a model alive is shown on the trainer's
+    model, whose runs leave no thread behind only through this release:
+    ``integration/tests/test_run_resources.py``.)"""
+    _train_and_drop()  # the autograd engine's threads start once
+    before = _threads()
+    model = _train_and_drop()
+    after = _threads()
+    assert model() is None and after == before, (model(), before, after)
 
 
 def _naive_shard_mesh(mesh, dims):
@@ -357,6 +408,8 @@ def check_bad_inputs() -> None:
 
 def _checks(world: int, path: str) -> list:
     common = [
+        # first: the models of the checks below are not released, and they hold their meshes
+        check_release_frees_the_model_and_its_threads,
         check_parity_dp_cp,
         check_flattened_lookup_negative_control,
         check_optional_args_only_when_set,

@@ -105,6 +105,12 @@ class RouterLogits:
         local = load_balancing_loss(self.of_tokens(mine), self.top_k, group=self.aux_group)
         return valued_as_summed(local, self.sequence_group)
 
+    def clear(self) -> None:
+        """Drop the last forward's statistics: their logits hold that forward's autograd graph,
+        and through it the model."""
+        for block in self.blocks:
+            block.stats = None
+
     def tokens_per_expert(self) -> torch.Tensor:
         """[layers, E] the top-k assignments of this rank's tokens in the last forward (under
         SP: summed over the TP peers, which routed different slices of them)."""

@@ -50,6 +50,7 @@ from qwen35_trainer.model.weights.export import FP8Export
 from qwen35_trainer.model.weights.files import CheckpointFiles
 from qwen35_trainer.model.weights.stored import SCALE_SUFFIX
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
+from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import ParallelRecipe, Recipe
 from qwen35_trainer.train.integrity import MANIFEST
 from qwen35_trainer.train.resume import checkpoints_in, load_model_weights, newest_loadable
@@ -310,8 +311,17 @@ def export_checkpoint(
 ) -> tuple[int, list[str]]:
     """Write ``checkpoint``'s model (:func:`resolve_checkpoint` already applied) to ``out``;
     returns its step and the notes of :func:`export_model`. Every rank of the launch calls
-    it."""
-    options = options or ExportOptions()
+    it; what it creates (its groups, its model) is released before it returns."""
+    resources = open_run()
+    try:
+        return _export_checkpoint(recipe, checkpoint, out, options or ExportOptions(), resources)
+    finally:
+        resources.release()
+
+
+def _export_checkpoint(
+    recipe: Recipe, checkpoint: Path, out: Path, options: ExportOptions, resources: RunResources
+) -> tuple[int, list[str]]:
     init_distributed()  # torchrun's group, or one rank's
     check_export_dir(out, options.overwrite)  # before the weights are read
     # this launch's ranks as one FSDP group, fp32, the weights allocated (every value is then
@@ -329,5 +339,6 @@ def export_checkpoint(
         train=dataclasses.replace(recipe.train, dtype="float32", activation_checkpointing=False),
     )
     objective, _ = build_training_model(built, device())
+    resources.hold(objective, objective.router.clear)
     step = load_model_weights(checkpoint, objective)
     return step, export_model(objective.model, recipe, out, options)

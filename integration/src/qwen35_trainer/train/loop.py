@@ -50,6 +50,7 @@ from qwen35_trainer.parallel import Layout, ParallelDims, validate_layout
 from qwen35_trainer.parallel.dist import device as this_device
 from qwen35_trainer.parallel.dist import init_distributed, rank, world
 from qwen35_trainer.parallel.megatron import place_distributed, wire_optimizer
+from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.train.checkpoint import AsyncCheckpointer, data_state_files, save_checkpoint
 from qwen35_trainer.train.console import what_runs
@@ -75,28 +76,60 @@ logger = logging.getLogger("qwen35_trainer")
 class TrainResult:
     """The step logs, the trained objective (its parameters are DTensors: shards on this
     rank's meshes, whole on one process's one-rank group) and its optimizer (with this rank's
-    state)."""
+    state). The run's process groups live until :meth:`close` (or the end of a ``with``
+    block, or the next run in this process: :mod:`qwen35_trainer.parallel.resources`)."""
 
     logs: list[StepLog]
     objective: TrainingObjective
     optimizer: torch.optim.Optimizer | None = None
+    resources: RunResources | None = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's state as plain, whole tensors (each DTensor shard gathered; under
         a launch every rank must call it), in transformers' names."""
-        return {
-            name: full_tensor(value) for name, value in self.objective.model.state_dict().items()
-        }
+        if self.objective is None or (self.resources is not None and self.resources.released):
+            raise RuntimeError(
+                "this TrainResult was closed (or a later run in this process released it): its "
+                "model's shards went with the run's process groups; read state_dict() first"
+            )
+        with torch.no_grad():  # values, not a graph that would keep the model alive
+            return {
+                name: full_tensor(value)
+                for name, value in self.objective.model.state_dict().items()
+            }
+
+    def close(self) -> None:
+        """Release the run's process groups and its model's hold on them (every rank); the
+        result keeps its logs only (a model kept would keep the groups' backends)."""
+        if self.resources is not None:
+            self.resources.release()
+        self.objective = self.optimizer = None
+
+    def __enter__(self) -> TrainResult:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -> TrainResult:
     """Run ``recipe.train.steps`` optimizer steps, streaming each step's log to ``on_step``.
 
     Under ``torchrun`` (``WORLD_SIZE`` > 1) the process group is created here unless it exists.
+    What the run creates is released when it fails, and when its result is closed
+    (:class:`TrainResult`) or the next run starts; a :class:`NonFiniteStep` carries the run's
+    result, open, for inspection.
     """
-    dims = start_processes(recipe)
-    with deterministic_mode(recipe.train.deterministic):
-        return _train(recipe, on_step, dims)
+    resources = open_run()
+    try:
+        dims = start_processes(recipe)
+        with deterministic_mode(recipe.train.deterministic):
+            return _train(recipe, on_step, dims, resources)
+    except NonFiniteStep:
+        raise
+    except BaseException:
+        resources.release()
+        raise
 
 
 def check_run(recipe: Recipe, world_size: int) -> ParallelDims:
@@ -167,10 +200,11 @@ def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
     return Setup(objective, optimizer, layout, device, coef, mtp_weight)
 
 
-def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
+def _train(recipe: Recipe, on_step, dims: ParallelDims, resources: RunResources) -> TrainResult:
     if recipe.train.export_dir:  # refused now, not after the run
         check_export_dir(recipe.train.export_dir, recipe.train.export_overwrite)
     run = setup(recipe, dims)
+    resources.hold(run.objective, run.objective.router.clear)
     objective, optimizer, layout, device = run.objective, run.optimizer, run.layout, run.device
     model, training = objective.model, recipe.train
     if training.prewarm:
@@ -218,7 +252,7 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
                 if on_step is not None:
                     on_step(log)
     except NonFiniteStep as failed:
-        failed.result = TrainResult(logs, objective, optimizer)
+        failed.result = TrainResult(logs, objective, optimizer, resources)
         raise
     finally:
         if folder is not None:
@@ -233,7 +267,7 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims) -> TrainResult:
         exported = export_model(objective.model, recipe, training.export_dir, options, pipeline)
         for note in exported:
             logger.info("export %s: %s", training.export_dir, note)
-    return TrainResult(logs, objective, optimizer)
+    return TrainResult(logs, objective, optimizer, resources)
 
 
 def _steps(

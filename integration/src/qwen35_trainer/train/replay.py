@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qwen35_trainer.data.feed import Feed
+from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.train.determinism import deterministic_mode
 from qwen35_trainer.train.loop import setup, start_processes
@@ -117,14 +118,20 @@ def _checkpoint_before(path: Path, step: int) -> Path:
 def replay(recipe: Recipe, checkpoint: str | Path, step: int) -> Replay:
     """Recompute step ``step`` (1-based) of ``recipe``'s run from ``checkpoint`` (a
     ``step_NNNNNN`` directory, or a directory of them: the newest before ``step`` is taken).
-    Every rank of the run's launch calls it; the update of step ``step`` is not kept."""
-    start_processes(recipe)
-    with deterministic_mode(recipe.train.deterministic):
-        return _replay(recipe, _checkpoint_before(Path(checkpoint), step), step)
+    Every rank of the run's launch calls it; the update of step ``step`` is not kept, and what
+    it creates (its groups, its model) is released before it returns."""
+    resources = open_run()
+    try:
+        start_processes(recipe)
+        with deterministic_mode(recipe.train.deterministic):
+            return _replay(recipe, _checkpoint_before(Path(checkpoint), step), step, resources)
+    finally:
+        resources.release()
 
 
-def _replay(recipe: Recipe, path: Path, step: int) -> Replay:
+def _replay(recipe: Recipe, path: Path, step: int, resources: RunResources) -> Replay:
     run = setup(recipe)
+    resources.hold(run.objective, run.objective.router.clear)
     done = load_checkpoint(
         path, run.objective, run.optimizer, checksums=recipe.train.verify_checkpoints
     )

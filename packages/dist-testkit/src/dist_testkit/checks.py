@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dist_testkit.launch import DEFAULT_TIMEOUT_S, launch, report_progress
+from dist_testkit.launch import DEFAULT_TIMEOUT_S, Outcome, launch, report_progress
 
 __all__ = ["CheckReport", "named_check", "run_checks"]
 
@@ -36,11 +38,14 @@ Check = Callable[[], Any]
 
 @dataclasses.dataclass
 class CheckReport:
-    """Per check name: ``None`` when it passed on every rank, else the failure text."""
+    """Per check name: ``None`` when it passed on every rank, else the failure text; and, for
+    each check that passed, its ``seconds`` (the slowest rank's, from the end of the check before
+    it on that rank)."""
 
     world_size: int
     failures: dict[str, str | None]
     results: dict[str, list[Any]]
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def assert_passed(self, check: Check | str) -> list[Any]:
         """Raise ``AssertionError`` with the failing ranks' tracebacks; return per-rank results."""
@@ -84,6 +89,8 @@ def run_checks(
 
     Per rank, a check passed when the rank reported its result; the first check a rank did not
     get past carries that rank's error (traceback, exit code or "hung"); later ones are not run.
+    With ``DIST_TESTKIT_TIMINGS`` set to a file, one JSON line per passed check is appended to it
+    (world size, name, seconds): what each check of a long launch costs.
     """
     names = [c.__name__ for c in checks]
     if len(set(names)) != len(names):
@@ -91,6 +98,7 @@ def run_checks(
     outcomes = launch(_run_all, world_size, list(checks), timeout=timeout, env=env)
     failures: dict[str, str | None] = {}
     results: dict[str, list[Any]] = {}
+    seconds = _seconds(names, outcomes)
     for i, name in enumerate(names):
         errors, values = [], []
         for rank, outcome in enumerate(outcomes):
@@ -106,4 +114,23 @@ def run_checks(
         failures[name] = "\n".join(errors) if errors else None
         if not errors:
             results[name] = values
-    return CheckReport(world_size, failures, results)
+    report = CheckReport(world_size, failures, results, seconds)
+    if os.environ.get("DIST_TESTKIT_TIMINGS"):
+        with open(os.environ["DIST_TESTKIT_TIMINGS"], "a") as out:
+            for name, took in seconds.items():
+                out.write(json.dumps({"world": world_size, "check": name, "seconds": took}) + "\n")
+    return report
+
+
+def _seconds(names: Sequence[str], outcomes: Sequence[Outcome]) -> dict[str, float]:
+    """Per check every rank passed: the slowest rank's time from its previous report."""
+    out = {}
+    for i, name in enumerate(names):
+        spans = [
+            o.progress_seconds[i] - (o.progress_seconds[i - 1] if i else 0.0)
+            for o in outcomes
+            if i < len(o.progress_seconds)
+        ]
+        if len(spans) == len(outcomes):
+            out[name] = round(max(spans), 3)
+    return out

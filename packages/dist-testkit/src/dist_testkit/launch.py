@@ -44,12 +44,14 @@ class RankError(AssertionError):
 @dataclasses.dataclass
 class Outcome:
     """One rank's report: ``ok`` with the returned ``value``, or the ``error`` text; plus every
-    value the rank sent with :func:`report_progress` before it returned, failed or hung."""
+    value the rank sent with :func:`report_progress` before it returned, failed or hung, and
+    when each arrived (``progress_seconds``: seconds since every rank had joined the group)."""
 
     ok: bool
     value: Any = None
     error: str = ""
     progress: list[Any] = dataclasses.field(default_factory=list)
+    progress_seconds: list[float] = dataclasses.field(default_factory=list)
 
 
 _progress_conn: mpc.Connection | None = None
@@ -175,7 +177,9 @@ def _collect(
 ) -> list[Outcome]:
     outcomes: list[Outcome | None] = [None] * len(procs)
     progress: list[list[Any]] = [[] for _ in procs]
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    arrived: list[list[float]] = [[] for _ in procs]
+    started = time.monotonic()
+    deadline = started + STARTUP_TIMEOUT_S
     not_ready = set(range(len(procs)))
     waiting = dict(enumerate(conns))
     while waiting:
@@ -191,10 +195,12 @@ def _collect(
                 if kind == "ready":
                     not_ready.discard(rank)
                     if not not_ready:
-                        deadline = time.monotonic() + timeout
+                        started = time.monotonic()
+                        deadline = started + timeout
                     continue
                 if kind == "progress":
                     progress[rank].append(value)
+                    arrived[rank].append(time.monotonic() - started)
                     continue
                 outcomes[rank] = value
             except EOFError:
@@ -215,8 +221,9 @@ def _collect(
             False, error=f"rank {rank} hung: still running when the launch was killed ({why})"
         )
     done = [o for o in outcomes if o is not None]
-    for outcome, sent in zip(done, progress, strict=True):
+    for outcome, sent, times in zip(done, progress, arrived, strict=True):
         outcome.progress = sent
+        outcome.progress_seconds = times
     return done
 
 

@@ -14,6 +14,8 @@
 - :func:`full_tensor` — the whole tensor of a parameter or gradient sharded by either backend.
 - :func:`dcp_ready` — state dicts of either backend that ``torch.distributed.checkpoint``
   saves and loads as global tensors.
+- :func:`release` — let a model FSDP2 sharded be freed with its last reference (its memory
+  and its meshes' process groups), once it will not run again.
 - :func:`build_megatron_call` — the megatron-fsdp call as data (function, keyword arguments).
 """
 
@@ -30,6 +32,7 @@ from fsdp_compat.megatron import (
 from fsdp_compat.megatron_optim import finish_grad_sync
 from fsdp_compat.mesh import flatten_mesh, get_mesh_dim, mesh_dim_names_with_flattened
 from fsdp_compat.precision import MixedPrecision
+from fsdp_compat.release import release
 from fsdp_compat.shard import BACKENDS, GRAD_REDUCTIONS, shard_model, shard_modules
 
 __version__ = "0.3.0"
@@ -51,6 +54,7 @@ __all__ = [
     "get_mesh_dim",
     "megatron_tp_shape_bug",
     "mesh_dim_names_with_flattened",
+    "release",
     "shard_model",
     "shard_modules",
 ]
