@@ -16,8 +16,8 @@ import qwen35_trainer.cli as cli
 from qwen35_trainer import load_recipe
 from qwen35_trainer.cli import main
 from qwen35_trainer.recipe import recipe_from_dict
+from qwen35_trainer.supervise.run_folder import step_records
 from qwen35_trainer.train.metrics import METRIC_FIELDS
-from qwen35_trainer.train.run_folder import step_records
 
 LINE = re.compile(r"^step +(\d+)/(\d+)  loss ([0-9.]+)  ce ([0-9.]+)  aux ([0-9.]+)  ")
 
@@ -173,7 +173,7 @@ def test_help_names_outputs_and_builtin_recipes(capsys, flag):
 def test_a_worker_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(monkeypatch, capsys):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from qwen35_trainer.train.launch import launch
+    from qwen35_trainer.supervise.launch import launch
 
     def killed(config, entrypoint):
         def run(*args):

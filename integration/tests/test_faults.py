@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen35_trainer.train.run_folder import step_records
+from qwen35_trainer.supervise.run_folder import step_records
 
 BASE = [
     "tiny",

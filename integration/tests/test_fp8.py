@@ -379,7 +379,7 @@ def test_lora_on_the_fp8_base_learns_like_on_the_bf16_base(checkpoints, tmp_path
 
 def test_the_run_says_what_the_base_is_held_in(checkpoints):
     from qwen35_trainer.model.kernels import resolve_kernels
-    from qwen35_trainer.train.console import what_runs
+    from qwen35_trainer.supervise.console import what_runs
 
     base, fp8, _ = checkpoints
     cpu = torch.device("cpu")

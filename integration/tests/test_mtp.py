@@ -29,7 +29,7 @@ from qwen35_trainer.data import IGNORE_INDEX, Sample, rank_samples
 from qwen35_trainer.data.packing import pack
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.parallel import Layout
-from qwen35_trainer.train.run_folder import step_records
+from qwen35_trainer.supervise.run_folder import step_records
 from qwen35_trainer.train.step import count_targets
 
 MTP = ("model.expert_backend=torch", "data.samples_per_rank=3")
@@ -195,7 +195,7 @@ def test_the_head_needs_packed_rows():
 def test_a_run_reports_the_mtp_loss_and_held_out_accuracy(tmp_path):
     """metrics.jsonl, the console line and loss.png carry the head's numbers; ``loss`` is the
     minimised total ``ce + aux_coef * aux + mtp_loss_weight * mean(mtp_loss)``."""
-    from qwen35_trainer.train.console import Console
+    from qwen35_trainer.supervise.console import Console
 
     out = tmp_path / "run"
     result = train(

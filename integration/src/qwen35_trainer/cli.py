@@ -53,12 +53,12 @@ from qwen35_trainer.recipe import (
     builtin_recipes,
     load_recipe,
 )
+from qwen35_trainer.supervise.console import Console, quiet_cpu_notices
+from qwen35_trainer.supervise.launch import default_output_dir, launch, worker_exit
+from qwen35_trainer.supervise.preemption import Preempted
 from qwen35_trainer.train import train
-from qwen35_trainer.train.console import Console, quiet_cpu_notices
 from qwen35_trainer.train.export import check_export_dir
-from qwen35_trainer.train.launch import default_output_dir, launch, worker_exit
 from qwen35_trainer.train.loop import check_run
-from qwen35_trainer.train.preemption import Preempted
 
 __all__ = [
     "EXIT_BAD_RECIPE",
@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command; a worker of a multi-rank run leaves through :func:`~qwen35_trainer.train.launch.worker_exit`
+    """The command; a worker of a multi-rank run leaves through :func:`~qwen35_trainer.supervise.launch.worker_exit`
     (only a member of a multi-rank group: a process holding a one-rank group, as one process's
     training leaves it, gets the code back, even with ``WORLD_SIZE`` set)."""
     quiet_cpu_notices()

@@ -187,7 +187,7 @@ class TrainRecipe:
     AsyncCheckpointer`). ``prewarm``: before the first step, initialise cuBLAS, the communicators of every mesh and
     fla's kernels (:func:`setup_prewarm.prewarm`, best-effort; its report is logged).
     ``output_dir``: the run folder (resolved recipe, ``metrics.jsonl``, TensorBoard events,
-    ``loss.png``, per-rank logs; :mod:`qwen35_trainer.train.run_folder`); ``None`` writes none.
+    ``loss.png``, per-rank logs; :mod:`qwen35_trainer.supervise.run_folder`); ``None`` writes none.
     ``mtp_loss_weight``: with a multi-token-prediction head (``model.mtp_layers``), its
     cross-entropy (mean over depths, each normalised by its own valid targets) is added to the
     loss with this weight (0.1, Megatron-Bridge's default)."""

@@ -24,7 +24,7 @@ The logged loss is the sum of the shares over the loss group (one all-reduce), i
 batch's loss, identical on every rank. The loop is made of units a test or a user can drive:
 the step (:func:`qwen35_trainer.train.step.train_step`), the schedule
 (:func:`qwen35_trainer.train.schedule.lr_at`, re-applied every step, so a resumed run follows the
-recipe it is started with), the run folder (:mod:`qwen35_trainer.train.run_folder`) and the
+recipe it is started with), the run folder (:mod:`qwen35_trainer.supervise.run_folder`) and the
 checkpoints (:mod:`qwen35_trainer.train.checkpoint`, :mod:`qwen35_trainer.train.resume`).
 """
 
@@ -52,17 +52,17 @@ from qwen35_trainer.parallel.dist import init_distributed, rank, world
 from qwen35_trainer.parallel.megatron import place_distributed, wire_optimizer
 from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import Recipe
+from qwen35_trainer.supervise.console import what_runs
+from qwen35_trainer.supervise.preemption import Preempted, StopFlag
+from qwen35_trainer.supervise.run_folder import RunFolder, resolved_recipe
 from qwen35_trainer.train.checkpoint import AsyncCheckpointer, data_state_files, save_checkpoint
-from qwen35_trainer.train.console import what_runs
 from qwen35_trainer.train.determinism import deterministic_mode, prepare_cuda
 from qwen35_trainer.train.eval import evaluate
 from qwen35_trainer.train.export import ExportOptions, check_export_dir, export_model
 from qwen35_trainer.train.metrics import StepLog, peak_memory_mib
 from qwen35_trainer.train.nonfinite import NonFiniteGuard, NonFiniteStep
 from qwen35_trainer.train.pipeline_step import step_function
-from qwen35_trainer.train.preemption import Preempted, StopFlag
 from qwen35_trainer.train.resume import changed_on_resume, restore_data_state, resume_point
-from qwen35_trainer.train.run_folder import RunFolder, resolved_recipe
 from qwen35_trainer.train.schedule import lr_at, optimizer_name, set_lr
 from qwen35_trainer.train.step import total_loss
 from safe_optim import build_optimizer
