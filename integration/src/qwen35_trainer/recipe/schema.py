@@ -149,6 +149,7 @@ DTYPES = ("float32", "bfloat16")
 EXPORT_FORMATS = (None, "peft", "per_expert", "merged")
 ON_NONFINITE = ("stop", "skip")
 SCHEDULES = ("constant", "linear", "cosine")
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +189,9 @@ class TrainRecipe:
     fla's kernels (:func:`setup_prewarm.prewarm`, best-effort; its report is logged).
     ``output_dir``: the run folder (resolved recipe, ``metrics.jsonl``, TensorBoard events,
     ``loss.png``, per-rank logs; :mod:`qwen35_trainer.supervise.run_folder`); ``None`` writes none.
+    ``trackers``: where rank 0 also logs every step's scalars, among ``tensorboard``, ``wandb``
+    and ``mlflow`` (optional extras; a restarted or resumed run continues the same tracked run;
+    :mod:`qwen35_trainer.supervise.trackers`); ``[]``: ``metrics.jsonl`` alone.
     ``mtp_loss_weight``: with a multi-token-prediction head (``model.mtp_layers``), its
     cross-entropy (mean over depths, each normalised by its own valid targets) is added to the
     loss with this weight (0.1, Megatron-Bridge's default)."""
@@ -216,6 +220,7 @@ class TrainRecipe:
     warmup_steps: int = 0
     lr_floor: float = 0.0
     output_dir: str | None = None
+    trackers: tuple[str, ...] = ("tensorboard",)
     keep_checkpoints: int = 0
     eval_every: int = 0
     eval_steps: int = 1
@@ -260,6 +265,11 @@ class TrainRecipe:
                 "keep_checkpoints": (self.keep_checkpoints >= 0, ">= 0 (0 keeps every checkpoint)"),
                 "eval_every": (self.eval_every >= 0, ">= 0 (0: no evaluation)"),
                 "eval_steps": (self.eval_steps >= 1, ">= 1"),
+                "trackers": (
+                    set(self.trackers) <= set(TRACKERS)
+                    and len(set(self.trackers)) == len(self.trackers),
+                    f"a list of distinct names among {list(TRACKERS)} ([]: none)",
+                ),
                 "on_nonfinite": (self.on_nonfinite in ON_NONFINITE, f"one of {ON_NONFINITE}"),
                 "max_skipped_steps": (self.max_skipped_steps >= 1, ">= 1"),
                 "mtp_loss_weight": (self.mtp_loss_weight >= 0, ">= 0"),
