@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import yaml
+from helpers import ONE_PROCESS, SYNTHETIC
 
 import qwen35_trainer.cli as cli
 from qwen35_trainer import load_recipe
@@ -185,3 +186,57 @@ def test_a_worker_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(monk
     monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", killed)
     assert launch(["tiny"], 2, 0) == 137
     assert "worker rank 1 was killed by signal 9" in capsys.readouterr().err
+
+
+def test_version_names_every_workspace_package_torch_and_transformers():
+    """``qwen35-train --version`` (a real process): one ``NAME VERSION`` line for the trainer and
+    each package the workspace ships (every ``packages/*`` but the test-only dist-testkit, as
+    their pyproject.toml files say), torch and transformers; exit 0."""
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "qwen35_trainer.cli", "--version"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    root = Path(cli.__file__).parents[3]
+    projects = [root / "integration", *sorted((root / "packages").iterdir())]
+    want = {}
+    for folder in projects:
+        project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+        if project["name"] != "dist-testkit":
+            want[project["name"]] = project["version"]
+    assert len(want) == 9, want
+    want |= {name: importlib.metadata.version(name) for name in ("torch", "transformers")}
+    assert said == want, done.stdout
+
+
+def test_show_prints_the_recipe_yaml_of_a_run_of_the_same_command(capsys, monkeypatch, tmp_path):
+    """``qwen35-train show tiny --set ...`` prints, byte for byte, the ``recipe.yaml`` a run of
+    the same command writes, the command's run folder default included (``runs/tiny-<id>``, the
+    launcher's run id pinned so the two agree); it builds no module and starts no process
+    group. A bad recipe exits 2 with the reason."""
+    import torch.distributed as dist
+    from torch import nn
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "pinned")
+    sets = [*ONE_PROCESS, *SYNTHETIC, "train.steps=1", "train.log_every=1"]
+    args = [a for s in sets for a in ("--set", s)]
+
+    def nothing_started(*args, **kwargs):
+        raise AssertionError("show started something")
+
+    with monkeypatch.context() as started:
+        started.setattr(nn.Module, "__init__", nothing_started)
+        started.setattr(dist, "init_process_group", nothing_started)
+        assert main(["show", "tiny", *args]) == 0
+    shown = capsys.readouterr().out
+    assert not dist.is_initialized() and not (tmp_path / "runs").exists()
+    assert shown.startswith("# kernels this run ran") and "output_dir: runs/tiny-pinned\n" in shown
+    assert main(["tiny", *args]) == 0
+    assert (tmp_path / "runs" / "tiny-pinned" / "recipe.yaml").read_text() == shown
+    assert main(["show", "tiny", "--set", "train.stepz=1"]) == 2
+    assert "qwen35-train show: unknown recipe key(s) ['train.stepz']" in capsys.readouterr().err

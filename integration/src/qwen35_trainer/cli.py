@@ -7,6 +7,9 @@ a report of a recipe's dataset read through its processor;
 ``qwen35-train checkpoint verify DIR``: is a checkpoint (or each one under DIR) intact?
 ``qwen35-train replay RECIPE CHECKPOINT --step N``: step N recomputed from the checkpoint before
 it, with every layer's gradient norm and the documents of its batch.
+``qwen35-train show RECIPE [--set ...]``: the resolved recipe, byte for byte the run folder's
+``recipe.yaml`` of the same command (:mod:`qwen35_trainer.cli_info`); ``qwen35-train
+--version``: the versions of the trainer, its packages, torch and transformers.
 
 ``RECIPE`` is a YAML file or the name of a built-in recipe (``tiny``). A recipe that needs N
 ranks, run outside torchrun, starts its N local workers itself through PyTorch's elastic
@@ -49,12 +52,13 @@ from qwen35_trainer.cli_common import (
     EXIT_PREEMPTED,
     add_recipe_arguments,
 )
+from qwen35_trainer.cli_info import VersionAction, run_recipe, show_main
 from qwen35_trainer.recipe import (
     builtin_recipes,
     load_recipe,
 )
 from qwen35_trainer.supervise.console import Console, quiet_cpu_notices
-from qwen35_trainer.supervise.launch import default_output_dir, launch, worker_exit
+from qwen35_trainer.supervise.launch import launch, worker_exit
 from qwen35_trainer.supervise.preemption import Preempted
 from qwen35_trainer.train import train
 from qwen35_trainer.train.export import check_export_dir
@@ -80,11 +84,13 @@ def _parser() -> argparse.ArgumentParser:
         "RECIPE (write the demo dataset; read a recipe's dataset and report it); qwen35-train "
         "checkpoint verify DIR (each checkpoint intact, damaged or incomplete; exit 3 unless all "
         "are intact); qwen35-train replay RECIPE CHECKPOINT --step N (recompute one step: "
-        "per-layer gradient norms, its documents). Outputs: runs/<recipe>-<time>/ "
+        "per-layer gradient norms, its documents); qwen35-train show RECIPE (the resolved "
+        "recipe, as the run folder's recipe.yaml). Outputs: runs/<recipe>-<time>/ "
         "(recipe.yaml, metrics.jsonl, tensorboard/, loss.png, logs/). Built-in recipes: "
         + ", ".join(builtin_recipes()),
     )
     add_recipe_arguments(parser)
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument(
         "--nproc", type=int, help="local workers to start (default: what the recipe needs)"
     )
@@ -283,6 +289,7 @@ SUBCOMMANDS = {
     "data": _data_main,
     "checkpoint": _checkpoint_main,
     "replay": _replay_main,
+    "show": show_main,
 }
 
 
@@ -298,13 +305,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"qwen35-train: {message}", file=sys.stderr, flush=True)
 
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        extra = []
-        if args.nproc is not None:
-            extra.append(f"parallel.dp={recipe.parallel.filling(args.nproc, '--nproc').dp}")
-        if recipe.train.output_dir is None:
-            extra.append(f"train.output_dir={default_output_dir(args.recipe)}")
-        recipe = load_recipe(args.recipe, [*args.overrides, *extra])
+        recipe, extra = run_recipe(args.recipe, args.overrides, args.nproc)
     except (OSError, ValueError) as err:
         say(f"bad recipe: {err}")
         return EXIT_BAD_RECIPE

@@ -22,7 +22,7 @@ import yaml
 
 from qwen35_trainer.train.metrics import StepLog
 
-__all__ = ["RunFolder", "resolved_recipe", "step_records"]
+__all__ = ["RunFolder", "recipe_yaml", "resolved_recipe", "step_records"]
 
 
 def _plain(value: Any) -> Any:
@@ -44,6 +44,17 @@ def resolved_recipe(recipe: Any) -> str:
     return yaml.safe_dump(_plain(dataclasses.asdict(recipe)), sort_keys=False)
 
 
+def recipe_yaml(recipe: Any, kernels: dict[str, str] | None = None) -> str:
+    """The run folder's ``recipe.yaml``: :func:`resolved_recipe` under comments naming the
+    kernel each layer kind ran (``kernels``, :meth:`~qwen35_trainer.model.kernels.Kernels.
+    record`). Comments, so the file loads back to the same recipe (``auto`` stays ``auto``).
+    ``qwen35-train show`` prints the same text (:mod:`qwen35_trainer.cli_info`)."""
+    said = "".join(f"#   {kind}: {name}\n" for kind, name in (kernels or {}).items())
+    if said:
+        said = "# kernels this run ran (model.*_backend, train.optimizer resolved):\n" + said
+    return said + resolved_recipe(recipe)
+
+
 class RunFolder:
     """Writes one run's folder; ``rank``: this process's global rank (0 writes the shared
     files)."""
@@ -57,12 +68,7 @@ class RunFolder:
         self.records: list[dict[str, Any]] = []
         self.metrics = self.board = None
         if rank == 0:
-            said = "".join(f"#   {kind}: {name}\n" for kind, name in (kernels or {}).items())
-            if said:  # comments: the recipe loads back the same (``auto`` stays ``auto``)
-                said = (
-                    "# kernels this run ran (model.*_backend, train.optimizer resolved):\n" + said
-                )
-            (self.path / "recipe.yaml").write_text(said + resolved_recipe(recipe))
+            (self.path / "recipe.yaml").write_text(recipe_yaml(recipe, kernels))
             self.metrics = open(self.path / "metrics.jsonl", "a")  # noqa: SIM115
             # a header record each time a run starts (a resumed run appends its own)
             self.metrics.write(json.dumps({"header": {"kernels": kernels or {}}}) + "\n")
