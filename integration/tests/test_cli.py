@@ -240,3 +240,23 @@ def test_show_prints_the_recipe_yaml_of_a_run_of_the_same_command(capsys, monkey
     assert (tmp_path / "runs" / "tiny-pinned" / "recipe.yaml").read_text() == shown
     assert main(["show", "tiny", "--set", "train.stepz=1"]) == 2
     assert "qwen35-train show: unknown recipe key(s) ['train.stepz']" in capsys.readouterr().err
+
+
+def test_the_progress_bar_shows_the_held_out_loss_and_accuracy(capsys, monkeypatch):
+    """On a terminal rank 0 draws a bar; a step that evaluated puts the held-out loss and
+    accuracy in it (as the step line has them), and they stay until the next evaluation."""
+    from qwen35_trainer.supervise.console import Console
+    from qwen35_trainer.train.metrics import StepLog
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    console = Console(3, 1, printing=True)
+    assert console.bar is not None
+    plain = {"loss": 2.5, "ce": 2.5, "aux": 0.0, "grad_norm": 1.0, "tokens": 64, "seconds": 0.5}
+    console.step(StepLog(1, **plain))
+    assert "eval" not in console.bar.postfix
+    console.step(StepLog(2, **plain, eval_loss=1.23456, eval_accuracy=0.375))
+    assert "eval=1.2346, accuracy=0.375" in console.bar.postfix
+    console.step(StepLog(3, **plain, eval_mtp_accuracy=None))
+    assert console.bar.postfix.endswith("eval=1.2346, accuracy=0.375")
+    console.close([], None)
+    assert "eval=1.2346, accuracy=0.375" in capsys.readouterr().err  # what the terminal got

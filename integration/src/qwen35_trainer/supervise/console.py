@@ -154,6 +154,7 @@ class Console:
     def __init__(self, steps: int, log_every: int, printing: bool) -> None:
         self.steps, self.log_every, self.printing = steps, log_every, printing
         self.first: tuple[int, float] | None = None
+        self.held_out: dict[str, str] = {}  # the newest evaluation, as the bar shows it
         self.bar = None
         if printing and sys.stdout.isatty():  # a terminal: one progress bar instead of lines
             from tqdm import tqdm
@@ -164,10 +165,22 @@ class Console:
         self.first = self.first or (log.step, time.perf_counter())
         if self.bar is not None:
             self.bar.n = log.step
-            rate = log.tokens / log.seconds if log.seconds > 0 else 0.0
-            self.bar.set_postfix(loss=f"{log.loss:.4f}", lr=f"{log.lr:.2g}", tok_s=f"{rate:.0f}")
+            self.bar.set_postfix(self.postfix(log))
         elif self.printing and (log.step % self.log_every == 0 or log.step == self.steps):
             print(self.line(log), flush=True)
+
+    def postfix(self, log: StepLog) -> dict[str, str]:
+        """The bar's fields: loss, learning rate, tokens/s and, from the first evaluation on,
+        the newest held-out loss and accuracy (``eval``, ``accuracy``, ``mtp_accuracy`` with
+        the MTP head, as the step line names them). They stay shown until the next evaluation:
+        the bar is redrawn every step, and an evaluating step is one of ``train.eval_every``."""
+        if log.eval_loss is not None:
+            self.held_out = {"eval": f"{log.eval_loss:.4f}", "accuracy": f"{log.eval_accuracy:.3f}"}
+            if log.eval_mtp_accuracy is not None:
+                self.held_out["mtp_accuracy"] = f"{log.eval_mtp_accuracy:.3f}"
+        rate = log.tokens / log.seconds if log.seconds > 0 else 0.0
+        shown = {"loss": f"{log.loss:.4f}", "lr": f"{log.lr:.2g}", "tok_s": f"{rate:.0f}"}
+        return shown | self.held_out
 
     def close(self, logs: list[StepLog], output_dir: str | None) -> None:
         """The bar closed and the summary line."""
