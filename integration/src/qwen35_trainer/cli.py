@@ -27,9 +27,11 @@ documents of its global batch); 2 a bad recipe, one that does not fit the launch
 message says why, naming the file and row);
 3 (``checkpoint verify``) a checkpoint that is not intact;
 4 an unexpected internal error (with its traceback); 5 stopped by SIGTERM / SIGUSR1 after
-finishing a step and saving a checkpoint (run the same command again to resume).
+finishing a step and saving a checkpoint (run the same command again to resume); 6 a rank made
+no progress for ``train.hang_timeout`` seconds (stacks in ``<output_dir>/hang/``).
 ``--max-restarts N`` (with the built-in launch) brings all workers back after a worker dies,
-each resuming from the newest complete checkpoint.
+each resuming from the newest complete checkpoint; the launcher says which worker died how and
+each restart.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ from qwen35_trainer.recipe import (
     load_recipe,
 )
 from qwen35_trainer.supervise.console import Console, quiet_cpu_notices
-from qwen35_trainer.supervise.launch import launch, worker_exit
-from qwen35_trainer.supervise.preemption import Preempted
+from qwen35_trainer.supervise.launch import Watched, launch, worker_exit
+from qwen35_trainer.supervise.preemption import Preempted, catch_stop_signals
 from qwen35_trainer.train import train
 from qwen35_trainer.train.export import check_export_dir
 from qwen35_trainer.train.loop import check_run
@@ -319,7 +321,10 @@ def _main(argv: list[str] | None) -> int:
             return EXIT_BAD_RECIPE
         sets = [a for item in [*args.overrides, *extra] for a in ("--set", item)]
         say(f"starting {recipe.parallel.world} local workers: {_world_product(recipe.parallel)}")
-        return launch([args.recipe, *sets], recipe.parallel.world, args.max_restarts)
+        training = recipe.train
+        watched = Watched(training.output_dir, training.checkpoint_root, training.stop_timeout)
+        return launch([args.recipe, *sets], recipe.parallel.world, args.max_restarts, watched)
+    catch_stop_signals()  # a worker: a stop signal from now on is kept for the run
     if printing:
         logging.basicConfig(level=logging.INFO, format="qwen35-train: %(message)s")
     console = Console(recipe.train.steps, recipe.train.log_every, printing)

@@ -6,6 +6,7 @@ one ``ValueError``), and the derivations that belong to a section (``DataRecipe.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from qwen35_trainer.recipe.model_schema import LoRARecipe, ModelRecipe
@@ -35,6 +36,16 @@ class DataRecipe:
     ``seed``); ``video_fps`` / ``max_frames`` override the processor's frame sampling;
     ``frames_fps`` the rate of videos given as frame lists without their own ``fps``.
 
+    Hugging Face Hub (:mod:`qwen35_trainer.recipe.hub`): ``path`` / ``eval_path`` may name a
+    dataset repository and ``processor`` a model repository (``org/name``, when no local path
+    of that name exists), read at ``revision`` / ``eval_revision`` / ``processor_revision`` (a
+    branch, tag or commit; ``None``: ``main``, or, for a repository named twice, the first
+    one's: ``eval_path`` = ``path``, ``processor`` = ``model.path``); each resolves to its
+    snapshot folder when the recipe is built and ``from_hub`` records ``key: org/name@revision``.
+    ``subset`` / ``eval_subset``: the subset (``datasets``' config ``name``) of a dataset
+    folder or repository, as its README's ``configs`` define it (``eval_subset`` ``None``:
+    ``subset`` when ``eval_path`` is ``path``).
+
     Synthetic: text tokens around ``images_per_sample`` images whose patch grids [t, h, w] are
     drawn from ``image_grids``; ``samples_per_rank`` per rank and step, as right-padded rows,
     or with ``packing`` as ONE row of concatenated documents kept apart in every layer
@@ -54,10 +65,16 @@ class DataRecipe:
     pack_length: int | None = None
     path: str | None = None
     split: str = "train"
+    subset: str | None = None
+    revision: str | None = None
     source: str | None = None
     processor: str | None = None
+    processor_revision: str | None = None
     eval_path: str | None = None
     eval_split: str = "train"
+    eval_subset: str | None = None
+    eval_revision: str | None = None
+    from_hub: dict[str, str] = dataclasses.field(default_factory=dict)
     train_on: str = "assistant"
     global_batch: int | None = None
     over_capacity: str = "truncate"
@@ -74,6 +91,12 @@ class DataRecipe:
     def dataset(self) -> bool:
         """Whether the run reads a conversation dataset (else the synthetic stream)."""
         return bool(self.path or self.source)
+
+    def subset_of(self, eval: bool) -> str | None:
+        """The subset the training (or, ``eval``, the held-out) rows are read with."""
+        if not eval or self.eval_subset is not None:
+            return self.eval_subset if eval else self.subset
+        return self.subset if self.eval_path == self.path else None
 
     def rows_per_step(self, dp: int) -> int:
         """Packed rows per step over all ranks (``global_batch``, a multiple of ``dp``)."""
@@ -194,7 +217,12 @@ class TrainRecipe:
     :mod:`qwen35_trainer.supervise.trackers`); ``[]``: ``metrics.jsonl`` alone.
     ``mtp_loss_weight``: with a multi-token-prediction head (``model.mtp_layers``), its
     cross-entropy (mean over depths, each normalised by its own valid targets) is added to the
-    loss with this weight (0.1, Megatron-Bridge's default)."""
+    loss with this weight (0.1, Megatron-Bridge's default). ``hang_timeout``: seconds without
+    progress (a step, an evaluation, a checkpoint, the setup before the first step) after which
+    every live rank writes its Python stacks to ``<output_dir>/hang/`` and the job exits 6
+    (:mod:`qwen35_trainer.supervise.watchdog`); 0 turns the watchdog off. ``stop_timeout``:
+    seconds the built-in launcher gives its workers, after forwarding a stop signal, to finish
+    the step and save before it kills them (:mod:`qwen35_trainer.supervise.agent`)."""
 
     steps: int = 10
     optimizer: str = "adamw"
@@ -232,6 +260,16 @@ class TrainRecipe:
     deterministic: bool = True
     mtp_loss_weight: float = 0.1
     compile: bool = False
+    hang_timeout: float = 1800.0
+    stop_timeout: float = 600.0
+
+    @property
+    def checkpoint_root(self) -> str | None:
+        """Where the run's checkpoints go: ``checkpoint_dir``, else ``<output_dir>/checkpoints``
+        when the run folder exists and ``checkpoint_every`` asks for checkpoints, else none."""
+        if self.checkpoint_dir is None and self.output_dir and self.checkpoint_every:
+            return os.path.join(self.output_dir, "checkpoints")
+        return self.checkpoint_dir
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas
@@ -273,6 +311,8 @@ class TrainRecipe:
                 "on_nonfinite": (self.on_nonfinite in ON_NONFINITE, f"one of {ON_NONFINITE}"),
                 "max_skipped_steps": (self.max_skipped_steps >= 1, ">= 1"),
                 "mtp_loss_weight": (self.mtp_loss_weight >= 0, ">= 0"),
+                "hang_timeout": (self.hang_timeout >= 0, ">= 0 seconds (0: no watchdog)"),
+                "stop_timeout": (self.stop_timeout > 0, "> 0 seconds"),
                 "checkpoint_every": (self.checkpoint_every >= 0, ">= 0"),
                 "export_format": (
                     self.export_format in EXPORT_FORMATS,

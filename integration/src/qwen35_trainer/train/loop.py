@@ -47,14 +47,16 @@ from qwen35_trainer.model.flops import peak_flops
 from qwen35_trainer.model.kernels import resolve_kernels
 from qwen35_trainer.model.objective import TrainingObjective
 from qwen35_trainer.parallel import Layout, ParallelDims, validate_layout
+from qwen35_trainer.parallel.dist import all_ranks, init_distributed, rank, world
 from qwen35_trainer.parallel.dist import device as this_device
-from qwen35_trainer.parallel.dist import init_distributed, rank, world
 from qwen35_trainer.parallel.megatron import place_distributed, wire_optimizer
 from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import Recipe
+from qwen35_trainer.recipe.hub import check_same_commits, hub_commits
 from qwen35_trainer.supervise.console import what_runs
 from qwen35_trainer.supervise.preemption import Preempted, StopFlag
 from qwen35_trainer.supervise.run_folder import RunFolder, resolved_recipe
+from qwen35_trainer.supervise.watchdog import Watchdog
 from qwen35_trainer.train.checkpoint import AsyncCheckpointer, data_state_files, save_checkpoint
 from qwen35_trainer.train.determinism import deterministic_mode, prepare_cuda
 from qwen35_trainer.train.eval import evaluate
@@ -183,6 +185,7 @@ def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
     (:func:`qwen35_trainer.model.build_training_model`) and its optimizer, after
     :func:`start_processes` (``dims``: what it returned)."""
     device = this_device()
+    check_same_commits(all_ranks(hub_commits(recipe)))  # every rank reads the same inputs
     objective, layout = build_training_model(recipe, device, dims=dims)
     model, training = objective.model, recipe.train
     optimizer = build_optimizer(
@@ -203,6 +206,13 @@ def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
 def _train(recipe: Recipe, on_step, dims: ParallelDims, resources: RunResources) -> TrainResult:
     if recipe.train.export_dir:  # refused now, not after the run
         check_export_dir(recipe.train.export_dir, recipe.train.export_overwrite)
+    training = recipe.train
+    with Watchdog(training.hang_timeout, training.output_dir, rank(), world()) as watchdog:
+        return _watched(recipe, on_step, dims, resources, watchdog)
+
+
+def _watched(recipe, on_step, dims, resources, watchdog: Watchdog) -> TrainResult:
+    """The run, each phase reported to ``watchdog``."""
     run = setup(recipe, dims)
     resources.hold(run.objective, run.objective.router.clear)
     objective, optimizer, layout, device = run.objective, run.optimizer, run.layout, run.device
@@ -224,9 +234,7 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims, resources: RunResources)
         logger.warning(warning)
         if folder is not None:
             folder.note(warning)
-    checkpoints = training.checkpoint_dir
-    if checkpoints is None and training.output_dir and training.checkpoint_every:
-        checkpoints = os.path.join(training.output_dir, "checkpoints")
+    checkpoints = training.checkpoint_root
     start, damaged = resume_point(checkpoints, objective, optimizer, training.verify_checkpoints)
     for message in damaged:
         logger.warning(message)
@@ -245,7 +253,7 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims, resources: RunResources)
     stop = StopFlag()
     try:
         with stop.installed():
-            for log in _steps(run, recipe, feed, checkpoints, start, stop):
+            for log in _steps(run, recipe, feed, checkpoints, start, stop, watchdog.beat):
                 logs.append(log)
                 if folder is not None:
                     folder.record(log)
@@ -254,11 +262,16 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims, resources: RunResources)
     except NonFiniteStep as failed:
         failed.result = TrainResult(logs, objective, optimizer, resources)
         raise
+    except Preempted as stopped:
+        if folder is not None:  # what a requeue script reads (docs/scaling.md)
+            folder.note(str(stopped))
+        raise
     finally:
         if folder is not None:
             folder.close()
     place_distributed(objective)  # megatron-fsdp after an evaluation: the trained shards
     if training.export_dir:
+        watchdog.beat(len(logs) + start, "export")
         options = ExportOptions(
             overwrite=training.export_overwrite,
             lora=training.export_format if recipe.model.lora is not None else None,
@@ -271,7 +284,13 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims, resources: RunResources)
 
 
 def _steps(
-    run: Setup, recipe: Recipe, feed: Feed, checkpoints: str | None, start: int, stop: StopFlag
+    run: Setup,
+    recipe: Recipe,
+    feed: Feed,
+    checkpoints: str | None,
+    start: int,
+    stop: StopFlag,
+    beat: Callable[[int, str], None],
 ) -> Iterator[StepLog]:
     """Steps ``start`` .. ``train.steps``, each one's log yielded once it is taken; checkpoints
     as the recipe asks; stops (saving) after a step when any rank got a preemption signal, and
@@ -288,7 +307,9 @@ def _steps(
         began = time.perf_counter()
         lr = lr_at(step, training)
         set_lr(optimizer, lr)
+        beat(step + 1, "reading the step's data")
         micro, data = feed.step(step)
+        beat(step + 1, "forward, backward and optimizer step")
         result = step_function(objective)(
             objective,
             optimizer,
@@ -307,6 +328,7 @@ def _steps(
             and eval_every
             and ((step + 1) % eval_every == 0 or step + 1 == training.steps)
         ):
+            beat(step + 1, "held-out evaluation")
             held_out = evaluate(
                 recipe, objective, layout, feed.eval_batches(), device=device, **run.loss_weights()
             )
@@ -340,9 +362,11 @@ def _steps(
                 writer.wait()  # the checkpoint being written completes: it stays the newest
             raise failed
         every = training.checkpoint_every
+        beat(step + 1, "agreeing whether to stop (one all-reduce)")
         stopping = stop.agreed(device)
         due = step + 1 == training.steps or (every and (step + 1) % every == 0)
         if checkpoints and (due or stopping):
+            beat(step + 1, "saving the checkpoint")
             save_checkpoint(
                 checkpoints,
                 step + 1,
@@ -353,6 +377,7 @@ def _steps(
                 background=writer,
             )
         if stopping and writer is not None:
+            beat(step + 1, "completing the background checkpoint")
             writer.wait()
         if stopping:
             where = f"{checkpoints}/step_{step + 1:06d}" if checkpoints else None
