@@ -7,8 +7,11 @@ expert_layout`; ``experts`` overrides), its ``dtype`` (``config.json``'s; ``dtyp
 overrides, else the trained weights' own), ``config.json`` with ``architectures`` and
 ``dtype``, and beside the weights the source's processor — tokenizer, chat template, image and
 video processors (``model.path``, else ``data.processor``), their files copied byte for byte
-(:data:`PROCESSOR_FILES`) — and its ``generation_config.json``. A recipe without a processor gets the weights only, and the
-notes say so.
+(:data:`PROCESSOR_FILES`) — and a ``generation_config.json`` whose eos and pad ids stop
+``generate`` at the end of an assistant turn (``<|im_end|>``; the source's file completed:
+:mod:`qwen35_trainer.train.generation_config`). A recipe without a processor gets the weights
+only, and the notes say so. The weight files get the mode the folder's other files get
+(:mod:`qwen35_trainer.model.weights.saving`), so a server running as another user reads them.
 
 A LoRA run (``model.lora``) exports its adapters by default (``lora``: ``peft``, PEFT's
 ``target_parameters`` layout for the experts; ``per_expert``, 2-D adapters per expert;
@@ -52,6 +55,7 @@ from qwen35_trainer.model.weights.stored import SCALE_SUFFIX
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import ParallelRecipe, Recipe
+from qwen35_trainer.train.generation_config import GENERATION_CONFIG, write_generation_config
 from qwen35_trainer.train.integrity import MANIFEST
 from qwen35_trainer.train.resume import checkpoints_in, load_model_weights, newest_loadable
 
@@ -197,9 +201,11 @@ def _clear_weights(out: Path) -> list[str]:
 
 
 def _beside_weights(recipe: Recipe, out: Path) -> list[str]:
-    """Copy the source's processor, tokenizer, chat template and generation config into
-    ``out``, byte for byte (a tool that reads them directly sees the source's files, not
-    transformers' re-save of them); what was copied."""
+    """Copy the source's processor, tokenizer and chat template into ``out``, byte for byte
+    (a tool that reads them directly sees the source's files, not transformers' re-save of
+    them), and write its generation config with the tokenizer's stop ids
+    (:func:`~qwen35_trainer.train.generation_config.write_generation_config`); what was
+    written."""
     folder = _processor_dir(recipe)
     if folder is None:
         return [
@@ -210,12 +216,9 @@ def _beside_weights(recipe: Recipe, out: Path) -> list[str]:
     for name in copied:
         shutil.copyfile(folder / name, out / name)
     notes = [f"copied byte for byte from {folder}: {', '.join(copied)}"]
-    for source in (Path(recipe.model.path or folder), folder):
-        if (source / "generation_config.json").is_file():
-            shutil.copyfile(source / "generation_config.json", out / "generation_config.json")
-            notes.append(f"generation config of {source}")
-            break
-    return notes
+    sources = (Path(recipe.model.path or folder), folder)
+    source = next((s for s in sources if (s / GENERATION_CONFIG).is_file()), None)
+    return notes + write_generation_config(folder, source, out)
 
 
 def export_model(

@@ -9,7 +9,8 @@ are cut into files of at most ``max_file_bytes``; the files are numbered
 order on every rank, a sharded parameter is reassembled (:func:`fsdp_compat.full_tensor`,
 right for FSDP2's and megatron-fsdp's shards alike: one tensor at a
 time, so memory is bounded by one tensor plus the file being filled) and kept only by its
-owner, which writes each of its files as soon as it is full. Rank 0 writes the index
+owner, which writes each of its files as soon as it is full (readable as the folder's other
+files are: :mod:`~qwen35_trainer.model.weights.saving`). Rank 0 writes the index
 (``model.safetensors.index.json``) and ``config.json`` (with ``architectures`` and ``dtype``,
 which servers read). The tensors keep their runtime names; the routed experts are written
 stacked (the runtime layout) or, with ``per_expert``, one tensor per expert and projection, as
@@ -45,6 +46,7 @@ from moe_parallel import quantize
 from qwen35_trainer.model.fp8.hold import converted_form, dequantized
 from qwen35_trainer.model.lora.adapters import is_adapter, merged
 from qwen35_trainer.model.weights.adapter import on_disk
+from qwen35_trainer.model.weights.saving import save_tensors
 from qwen35_trainer.model.weights.stored import SCALE_SUFFIX
 from qwen35_trainer.model.whole import WholeParameter, whole_parameters
 
@@ -136,8 +138,6 @@ def export_hf(
     weights in FP8 instead (:class:`FP8Export`); ``pipeline_group``: under pipeline
     parallelism, this rank's pipeline group (each tensor is then written by a rank of the stage
     holding it)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -179,14 +179,12 @@ def export_hf(
             if owner != rank:
                 continue
             if current is not None and number != current:
-                save_file(
-                    pending, str(path / _file_name(current, total)), metadata={"format": "pt"}
-                )
+                save_tensors(pending, path / _file_name(current, total))
                 pending = {}
             current = number
             pending[disk] = take(values[part]).to("cpu", kind, copy=True).contiguous()
     if pending:
-        save_file(pending, str(path / _file_name(current, total)), metadata={"format": "pt"})
+        save_tensors(pending, path / _file_name(current, total))
     if rank == 0:
         weight_map = {
             disk: _file_name(number, total)
