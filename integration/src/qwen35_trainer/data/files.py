@@ -223,16 +223,18 @@ def _first_byte(path: Path) -> bytes:
     return b""
 
 
-def arrow_rows(path: Path, base: Path, table: Any = None, *, split: str = "train") -> RowFile:
+def arrow_rows(
+    path: Path, base: Path, table: Any = None, *, split: str = "train", subset: str | None = None
+) -> RowFile:
     """The rows of an Arrow ``table`` (a ``datasets.Dataset``), or of what ``datasets`` loads
-    from ``path`` — a Parquet file, or a folder (its ``split``); media paths relative to
-    ``base``."""
+    from ``path`` — a Parquet file, or a folder (its ``subset`` and ``split``); media paths
+    relative to ``base``."""
     import datasets
 
     if table is None:
         try:
             if path.is_dir():
-                table = datasets.load_dataset(str(path), split=split)
+                table = datasets.load_dataset(str(path), name=subset, split=split)
             else:
                 table = datasets.load_dataset("parquet", data_files=str(path), split="train")
         except (datasets.exceptions.DatasetGenerationError, ValueError) as error:

@@ -17,9 +17,10 @@ from qwen35_trainer.model.lora.adapters import is_adapter
 from qwen35_trainer.model.pipeline.build import stage_layers
 from qwen35_trainer.model.whole import whole_parameters
 from qwen35_trainer.recipe import Recipe
+from qwen35_trainer.recipe.hub import HUB_KEYS
 from qwen35_trainer.train.metrics import StepLog
 
-__all__ = ["Console", "parameter_lines", "quiet_cpu_notices", "what_runs"]
+__all__ = ["Console", "input_lines", "parameter_lines", "quiet_cpu_notices", "what_runs"]
 
 
 def what_runs(
@@ -33,7 +34,7 @@ def what_runs(
     backend), precision and compilation, the kernel each layer kind runs (``kernels``), the
     parameters that train and, with LoRA, which modules carry adapters, the FP8 base's modules
     and bytes (``model``, the whole model however it is split), the MTP head (when it has one),
-    data and run folder."""
+    where the model and data were read from (:func:`input_lines`), data and run folder."""
     p, training, data = recipe.parallel, recipe.train, recipe.data
     backend = "nccl" if device.type == "cuda" else "gloo"
     sharding = "FSDP2" if p.fsdp_backend == "fsdp2" else "megatron-fsdp"
@@ -79,12 +80,32 @@ def what_runs(
             f"multi-token prediction: {recipe.model.mtp_depth} layer(s) (mtp.*), loss weight "
             f"{training.mtp_loss_weight:g}, exported with the model"
         )
+    lines += input_lines(recipe)
     if data.dataset:
-        source = data.path or data.source
-        lines.append(f"data: {source} through {data.processor}, packed to {data.pack_length}")
+        source = data.from_hub.get("path") or data.path or data.source
+        processor = data.from_hub.get("processor") or data.processor
+        if data.processor == recipe.model.path:
+            processor = f"model.path's processor ({recipe.model.from_hub.get('path', processor)})"
+        lines.append(f"data: {source} through {processor}, packed to {data.pack_length}")
     else:
         lines.append("data: the synthetic stream (no data.path)")
     lines.append(f"run folder: {training.output_dir or '(none)'}")
+    return lines
+
+
+def input_lines(recipe: Recipe) -> list[str]:
+    """Where each input was read from: ``KEY: local PATH``, or ``KEY: Hub KIND ID@REVISION,
+    snapshot PATH`` (the folder of its commit in the Hub cache; :mod:`qwen35_trainer.recipe.
+    hub`)."""
+    lines = []
+    for section, key, _, kind in HUB_KEYS:
+        values = getattr(recipe, section)
+        path, hub = getattr(values, key), values.from_hub.get(key)
+        if not path or (key == "processor" and path == recipe.model.path):
+            continue
+        said = "built-in" if path.startswith("builtin:") else "local"
+        said = f"Hub {kind} {hub}, snapshot {path}" if hub else f"{said} {path}"
+        lines.append(f"{section}.{key}: {said}")
     return lines
 
 
