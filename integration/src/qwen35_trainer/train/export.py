@@ -55,6 +55,7 @@ from qwen35_trainer.model.weights.stored import SCALE_SUFFIX
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import ParallelRecipe, Recipe
+from qwen35_trainer.recipe.hub import PROCESSOR_FILES  # a processor folder's files
 from qwen35_trainer.train.generation_config import GENERATION_CONFIG, write_generation_config
 from qwen35_trainer.train.integrity import MANIFEST
 from qwen35_trainer.train.resume import checkpoints_in, load_model_weights, newest_loadable
@@ -74,20 +75,6 @@ EXPERT_LAYOUTS = ("source", "stacked", "per_expert")
 DTYPES = ("float32", "bfloat16", "float16", "fp8")
 # what an FP8 export made from a bf16 checkpoint keeps in bf16 (as Qwen's FP8 releases do)
 NOT_CONVERTED = ["lm_head", "model.language_model.embed_tokens", "model.visual", "mtp.fc"]
-# a processor folder's files: tokenizer, chat template, image / video processors
-PROCESSOR_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "processor_config.json",
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-)
 # what from_pretrained or a server could load as the folder's weights
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin*")
 
