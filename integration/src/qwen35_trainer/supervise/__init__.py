@@ -4,7 +4,9 @@
   default run folder's name;
 - :mod:`.preemption`: SIGTERM / SIGUSR1 finish the step, save and stop, agreed by every rank;
 - :mod:`.console`: what rank 0 prints (the run's header, one line or a bar per step);
-- :mod:`.run_folder`: ``recipe.yaml``, ``metrics.jsonl``, TensorBoard, ``loss.png``, the logs.
+- :mod:`.run_folder`: ``recipe.yaml``, ``metrics.jsonl`` (one record per step across restarts),
+  ``loss.png``, the logs;
+- :mod:`.trackers`: ``train.trackers`` (TensorBoard, W&B, MLflow), continued across restarts.
 
 :mod:`qwen35_trainer.train` runs the steps; this package only watches and records them.
 """
