@@ -33,8 +33,8 @@ def demo(tmp_path_factory):
 def poisoned(demo):
     """A document of step 3 (one with media), and the state after step 2 of the clean run."""
     source = media_document(demo_recipe(demo, *DATA), step=3)
-    after_two = train(demo_recipe(demo, *DATA, "train.steps=2"))
-    return source, after_two
+    with train(demo_recipe(demo, *DATA, "train.steps=2")) as after_two:
+        return source, after_two.state_dict()
 
 
 def _local(value):
@@ -80,7 +80,7 @@ def test_stop_names_the_step_and_its_documents_and_keeps_the_weights(demo, poiso
     assert message.startswith("step 3: loss nan, gradient norm nan; the update was not applied")
     assert source in message and caught.value.sources.count(source) == 1
     assert [log.step for log in caught.value.result.logs] == [1, 2, 3]
-    state, reference = caught.value.result.state_dict(), after_two.state_dict()
+    state, reference = caught.value.result.state_dict(), after_two
     assert all(torch.equal(value, reference[name]) for name, value in state.items())
 
 
