@@ -237,12 +237,12 @@ def test_init_from_says_what_it_loaded_and_what_starts_from_the_base(base, tmp_p
 def test_a_run_started_from_an_adapter_resumes_exactly(base, tmp_path):
     _peft_adapter(base, tmp_path / "adapter")
     lora = INIT.format(tmp_path / "adapter")
-    whole = train(_recipe(base, lora, "train.steps=3"))
+    with train(_recipe(base, lora, "train.steps=3")) as whole:  # read before the next run
+        theirs = whole.state_dict()
     _ = train(_recipe(base, lora, "train.steps=2", f"train.checkpoint_dir={tmp_path / 'ckpt'}"))
     resumed = train(
         _recipe(base, lora, "train.steps=3", f"train.checkpoint_dir={tmp_path / 'ckpt'}")
     )
     assert [log.loss for log in resumed.logs] == [whole.logs[2].loss]
-    theirs = whole.state_dict()
     for name, value in resumed.state_dict().items():
         assert torch.equal(value, theirs[name]), name
