@@ -19,6 +19,7 @@ from qwen35_trainer.cli import main
 from qwen35_trainer.recipe import load_recipe
 from qwen35_trainer.supervise.run_folder import RunFolder, step_records
 from qwen35_trainer.supervise.trackers import flat_params, require_trackers, scalars
+from qwen35_trainer.train.metrics import METRIC_FIELDS
 
 
 def _sets(*items: str) -> list[str]:
@@ -109,6 +110,7 @@ def test_wandb_and_mlflow_follow_the_run_folder_across_a_resume(tmp_path, monkey
     lines = (out / "metrics.jsonl").read_text().splitlines()
     rows = [r for r in map(json.loads, lines) if "header" not in r]
     assert [(r["step"], r["attempt"]) for r in rows] == [(1, 0), (2, 0), (2, 1), (3, 1)]
+    assert all(set(r) == set(METRIC_FIELDS) for r in rows)
     first = {}
     for row in rows:
         first.setdefault(row["step"], row)
