@@ -98,6 +98,24 @@ def test_export_into_a_copy_of_the_source(trained, tmp_path, capsys):
     assert transformers.GenerationConfig.from_pretrained(out).max_new_tokens == 7
 
 
+def test_config_json_carries_every_field_vllm_and_sglang_read(trained, tmp_path):
+    """The merged export's ``config.json`` states, with the model's values, every field the two
+    servers' Qwen3.5 loaders read (:mod:`served_fields` names them and the sources), the M-RoPE
+    split and the attention period included, and transformers still loads it."""
+    from served_fields import check_served_fields
+
+    from qwen35_trainer import build_config
+
+    _, checkpoint, sets, _ = trained
+    out = tmp_path / "served"
+    assert _export(sets, checkpoint, out) == 0
+    written = json.loads((out / "config.json").read_text())
+    check_served_fields(written, build_config(load_recipe("tiny", sets).model))
+    assert written["text_config"]["full_attention_interval"] == 4
+    loaded = transformers.AutoConfig.from_pretrained(out).text_config
+    assert loaded.layer_types == written["text_config"]["layer_types"]
+
+
 def test_generate_stops_at_the_end_of_turn_the_generation_config_names(trained, tmp_path):
     """The export's ``generation_config.json`` holds the source's settings and the tokenizer's
     ``<|im_end|>`` as eos and its pad token as pad (the source's file had neither), so

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import transformers
 from helpers import tiny
 from safetensors.torch import load_file, save_file
+from served_fields import check_served_fields
 
 from dist_testkit import assert_close
 from qwen35_trainer import TrainingObjective, build_config, build_model, train
@@ -336,6 +337,7 @@ def test_export_writes_the_public_mtp_names_with_the_trained_values(public_check
                                else public[name]), name  # fmt: skip
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["text_config"]["mtp_num_hidden_layers"] == 1
+    check_served_fields(config, result.objective.model.config, mtp=True)  # vLLM's, SGLang's
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert set(written) <= set(index["weight_map"])
     transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path)  # ignores mtp.*
