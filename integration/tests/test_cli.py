@@ -17,8 +17,8 @@ import qwen35_trainer.cli as cli
 from qwen35_trainer import load_recipe
 from qwen35_trainer.cli import main
 from qwen35_trainer.recipe import recipe_from_dict
+from qwen35_trainer.supervise.metrics import METRIC_FIELDS
 from qwen35_trainer.supervise.run_folder import step_records
-from qwen35_trainer.train.metrics import METRIC_FIELDS
 
 LINE = re.compile(r"^step +(\d+)/(\d+)  loss ([0-9.]+)  ce ([0-9.]+)  aux ([0-9.]+)  ")
 
@@ -246,7 +246,7 @@ def test_the_progress_bar_shows_the_held_out_loss_and_accuracy(capsys, monkeypat
     """On a terminal rank 0 draws a bar; a step that evaluated puts the held-out loss and
     accuracy in it (as the step line has them), and they stay until the next evaluation."""
     from qwen35_trainer.supervise.console import Console
-    from qwen35_trainer.train.metrics import StepLog
+    from qwen35_trainer.supervise.metrics import StepLog
 
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     console = Console(3, 1, printing=True)

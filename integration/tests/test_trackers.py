@@ -17,9 +17,9 @@ from helpers import ONE_PROCESS, SYNTHETIC, TINY, tiny
 
 from qwen35_trainer.cli import main
 from qwen35_trainer.recipe import load_recipe
+from qwen35_trainer.supervise.metrics import METRIC_FIELDS
 from qwen35_trainer.supervise.run_folder import RunFolder, step_records
 from qwen35_trainer.supervise.trackers import flat_params, require_trackers, scalars
-from qwen35_trainer.train.metrics import METRIC_FIELDS
 
 
 def _sets(*items: str) -> list[str]:

@@ -37,6 +37,7 @@ each restart.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -65,6 +66,7 @@ from qwen35_trainer.supervise.preemption import Preempted, catch_stop_signals
 from qwen35_trainer.train import train
 from qwen35_trainer.train.export import check_export_dir
 from qwen35_trainer.train.loop import check_run
+from qwen35_trainer.train.resume import newest_checkpoint
 
 __all__ = [
     "EXIT_BAD_RECIPE",
@@ -322,7 +324,11 @@ def _main(argv: list[str] | None) -> int:
         sets = [a for item in [*args.overrides, *extra] for a in ("--set", item)]
         say(f"starting {recipe.parallel.world} local workers: {_world_product(recipe.parallel)}")
         training = recipe.train
-        watched = Watched(training.output_dir, training.checkpoint_root, training.stop_timeout)
+        watched = Watched(
+            training.output_dir,
+            functools.partial(newest_checkpoint, training.checkpoint_root),
+            training.stop_timeout,
+        )
         return launch([args.recipe, *sets], recipe.parallel.world, args.max_restarts, watched)
     catch_stop_signals()  # a worker: a stop signal from now on is kept for the run
     if printing:

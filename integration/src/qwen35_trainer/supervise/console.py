@@ -18,7 +18,7 @@ from qwen35_trainer.model.pipeline.build import stage_layers
 from qwen35_trainer.model.whole import whole_parameters
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.recipe.hub import HUB_KEYS
-from qwen35_trainer.train.metrics import StepLog
+from qwen35_trainer.supervise.metrics import StepLog
 
 __all__ = ["Console", "input_lines", "parameter_lines", "quiet_cpu_notices", "what_runs"]
 

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -22,7 +23,6 @@ from qwen35_trainer.recipe import recipe_path
 from qwen35_trainer.supervise.agent import SupervisingAgent, how_it_ended, say
 from qwen35_trainer.supervise.hang_report import hang_report
 from qwen35_trainer.supervise.run_folder import step_records
-from qwen35_trainer.train.resume import checkpoints_in
 
 __all__ = ["STOP_SIGNALS", "Watched", "default_output_dir", "launch", "worker_exit"]
 
@@ -39,26 +39,21 @@ def default_output_dir(recipe_arg: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Watched:
-    """What the launcher reads of a run to report on it: its run folder (``None``: none), its
-    checkpoint folder (``None``: none) and how long its workers get to save after a forwarded
-    stop signal."""
+    """What the launcher reads of a run to report on it: its run folder (``None``: none), the
+    step of its newest complete checkpoint (a function: ``None`` when there is none) and how
+    long its workers get to save after a forwarded stop signal."""
 
     output_dir: str | None = None
-    checkpoint_dir: str | None = None
+    resume_step: Callable[[], int | None] = lambda: None
     stop_timeout: float = 600.0
 
     def last_step(self) -> int | None:
+        """The run's last recorded step (``None`` before its first)."""
         path = Path(self.output_dir or "") / "metrics.jsonl"
         if self.output_dir is None or not path.is_file():
             return None
         steps = [r["step"] for r in step_records(path)]
         return max(steps) if steps else None
-
-    def resume_step(self) -> int | None:
-        if self.checkpoint_dir is None or not Path(self.checkpoint_dir).is_dir():
-            return None
-        found = checkpoints_in(self.checkpoint_dir)
-        return found[-1][0] if found else None
 
 
 def launch(argv: list[str], nproc: int, max_restarts: int, watched: Watched | None = None) -> int:

@@ -39,9 +39,9 @@ from typing import Any
 
 import yaml
 
+from qwen35_trainer.supervise.metrics import StepLog
 from qwen35_trainer.supervise.preemption import Preempted
 from qwen35_trainer.supervise.trackers import open_trackers, require_trackers, scalars
-from qwen35_trainer.train.metrics import StepLog
 
 __all__ = ["RunFolder", "recipe_yaml", "resolved_recipe", "step_records"]
 

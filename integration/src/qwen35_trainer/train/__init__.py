@@ -7,7 +7,6 @@ and recorded is :mod:`qwen35_trainer.supervise`.
 - :mod:`.schedule`: the learning rate of each step; the optimizer's name;
 - :mod:`.checkpoint`, :mod:`.integrity`, :mod:`.safe_load`: DCP checkpoints that prove their
   integrity and load no foreign code;
-- :mod:`.metrics`: a step's record;
 - :mod:`.nonfinite`, :mod:`.determinism`: never stepping on a non-finite gradient, repeatable
   runs;
 - :mod:`.replay`, :mod:`.export`: recompute one step; a checkpoint as a transformers directory.

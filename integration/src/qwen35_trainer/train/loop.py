@@ -54,6 +54,7 @@ from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.recipe.hub import check_same_commits, hub_commits
 from qwen35_trainer.supervise.console import what_runs
+from qwen35_trainer.supervise.metrics import StepLog, peak_memory_mib
 from qwen35_trainer.supervise.preemption import Preempted, StopFlag
 from qwen35_trainer.supervise.run_folder import RunFolder, resolved_recipe
 from qwen35_trainer.supervise.watchdog import Watchdog
@@ -61,7 +62,6 @@ from qwen35_trainer.train.checkpoint import AsyncCheckpointer, data_state_files,
 from qwen35_trainer.train.determinism import deterministic_mode, prepare_cuda
 from qwen35_trainer.train.eval import evaluate
 from qwen35_trainer.train.export import ExportOptions, check_export_dir, export_model
-from qwen35_trainer.train.metrics import StepLog, peak_memory_mib
 from qwen35_trainer.train.nonfinite import NonFiniteGuard, NonFiniteStep
 from qwen35_trainer.train.pipeline_step import step_function
 from qwen35_trainer.train.resume import changed_on_resume, restore_data_state, resume_point
