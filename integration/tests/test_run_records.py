@@ -13,8 +13,8 @@ from helpers import ONE_PROCESS, SYNTHETIC, tiny
 
 import qwen35_trainer.supervise.run_folder as run_folder
 from qwen35_trainer.cli import main
+from qwen35_trainer.supervise.metrics import StepLog
 from qwen35_trainer.supervise.run_folder import RunFolder, step_records
-from qwen35_trainer.train.metrics import StepLog
 
 
 def _sets(*items: str) -> list[str]:
