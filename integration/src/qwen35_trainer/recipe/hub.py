@@ -62,10 +62,10 @@ PROCESSOR_FILES = (
     "video_preprocessor_config.json",
 )
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
-# What the trainer reads of a model repository: config, weights, processor, generation config.
-LIGHT_FILES = ("config.json", "generation_config.json", *PROCESSOR_FILES)
-MODEL_FILES = (*LIGHT_FILES, *WEIGHT_PATTERNS)
 # A model repository's files without its weights (a processor's, or the planner's).
+LIGHT_FILES = ("config.json", "generation_config.json", *PROCESSOR_FILES)
+# What the trainer reads of a model repository: config, weights, processor, generation config.
+MODEL_FILES = (*LIGHT_FILES, *WEIGHT_PATTERNS)
 # (section, key, its revision's key, repository type)
 HUB_KEYS = (
     ("model", "path", "revision", "model"),
@@ -73,6 +73,11 @@ HUB_KEYS = (
     ("data", "path", "revision", "dataset"),
     ("data", "eval_path", "eval_revision", "dataset"),
 )
+# a key that may name the repository another key names first: (section, key, revision key)
+_NAMED_FIRST = {
+    ("data", "processor"): ("model", "path", "revision"),
+    ("data", "eval_path"): ("data", "path", "revision"),
+}
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")  # what data.path reads as one file
 _SNAPSHOT = re.compile(r"(?:models|datasets)--.+[/\\]snapshots[/\\]([0-9a-f]{40})$")
 _MEMO: dict[tuple, str] = {}
@@ -97,9 +102,7 @@ def _revision(data: dict[str, Any], section: str, key: str, revision_key: str) -
     values = data.get(section) or {}
     if values.get(revision_key) is not None:
         return values[revision_key]
-    first = {("data", "processor"): ("model", "path", "revision")}.get((section, key))
-    if key == "eval_path":
-        first = ("data", "path", "revision")
+    first = _NAMED_FIRST.get((section, key))
     if first is not None:
         owner = data.get(first[0]) or {}
         if owner.get(first[1]) == values.get(key) and owner.get(first[2]) is not None:
@@ -179,8 +182,8 @@ def subset_files(readme: str, subset: str, where: str) -> list[str]:
     if found is None:
         names = [c.get("config_name") for c in configs]
         raise ValueError(
-            f"{where}: the dataset has no subset {subset!r} (data.subset); its README names "
-            + (f"{names}" if names else "none (drop data.subset)")
+            f"{where}: the dataset has no subset {subset!r} (data.subset / data.eval_subset); "
+            "its README names " + (f"{names}" if names else "none (drop data.subset)")
         )
     files = found.get("data_files") or []
     files = [files] if isinstance(files, (str, dict)) else files
