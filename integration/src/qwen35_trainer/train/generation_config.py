@@ -6,9 +6,9 @@ A chat model ends its answer with the chat template's end-of-turn token — Chat
 as each assistant turn's last (:mod:`qwen35_trainer.data.chat_turns`) — not necessarily the
 tokenizer's end-of-text token. transformers' ``generate`` stops a row at any id of
 ``eos_token_id`` (an int or a list) and fills the rows that stopped with ``pad_token_id``; it
-reads both from the model folder's ``generation_config.json`` (``config.json``'s text config of a
-Qwen3.5 checkpoint has no usable eos), and the inference servers add its ``eos_token_id`` to
-their stop tokens. So the file is written with:
+reads both from the model folder's ``generation_config.json`` (an eos in ``config.json``, where a
+checkpoint has one, is the end-of-text token, not the end of a turn), and the inference servers
+add its ``eos_token_id`` to their stop tokens. So the file is written with:
 
 - ``eos_token_id``: the ids the source's own ``generation_config.json`` lists, then the
   end-of-turn id and the tokenizer's ``eos_token`` id where they are not among them (a list
