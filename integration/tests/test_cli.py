@@ -30,7 +30,7 @@ def _losses(text: str) -> list[float]:
 def test_main_command_trains_on_4_workers_and_fills_the_run_folder(capfd, tmp_path):
     """``qwen35-train tiny``, shortened to 30 steps: 4 workers (DP 2 × CP 2, EP 2) started by
     the command itself; rank 0 alone prints, first what runs (layout, precision, kernels,
-    parameters, data, run folder), and no warning; the loss falls; the run folder has the
+    parameters, where each input was read from, data, run folder), and no warning; the loss falls; the run folder has the
     resolved recipe, every metric of every step, TensorBoard events, the plot and 4 rank
     logs."""
     out_dir = tmp_path / "run"
@@ -39,8 +39,20 @@ def test_main_command_trains_on_4_workers_and_fills_the_run_folder(capfd, tmp_pa
     out, err = capfd.readouterr()
     said = [line.removeprefix("qwen35-train: ") for line in err.splitlines()]
     assert said[0] == "starting 4 local workers: dp 2 x cp 2 (--nproc N changes dp)", err
-    opening = [line.split(":")[0] for line in said[2:8]]
-    assert opening == ["layout", "precision", "kernels", "parameters", "data", "run folder"], err
+    opening = [
+        line.split(":")[0]
+        for line in said[2 : said.index(next(x for x in said if x.startswith("run folder"))) + 1]
+    ]
+    inputs = ["data.processor", "data.path", "data.eval_path"]  # where each was read from
+    assert opening == [
+        "layout",
+        "precision",
+        "kernels",
+        "parameters",
+        *inputs,
+        "data",
+        "run folder",
+    ], err
     assert said[2].startswith("layout: pp 1 x dp_replicate 1 x dp 2 x cp 2 x tp 1, ep 2"), err
     for noise in ("returned a view tensor", "CUDA_HOME", "sequential all_reduce", "Warning"):
         assert noise not in err, err  # nothing a user would read as "my run may be wrong"
@@ -171,21 +183,28 @@ def test_help_names_outputs_and_builtin_recipes(capsys, flag):
     )
 
 
-def test_a_worker_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(monkeypatch, capsys):
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+def test_a_worker_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(monkeypatch):
+    """The job's exit status when the last attempt's first failed worker was killed by signal 9
+    (the agent's run gives the failure; test_faults.py kills a real worker): 128 + 9, the
+    shell's convention; the agent's line for it names the signal."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from qwen35_trainer.supervise.launch import launch
+    from qwen35_trainer.supervise import launch as launching
+    from qwen35_trainer.supervise.agent import how_it_ended
 
-    def killed(config, entrypoint):
-        def run(*args):
+    class Killed:
+        def __init__(self, *args, **kwargs):
+            self.exit_codes = {}
+
+        def run(self):
             failure = ProcessFailure(local_rank=1, pid=123, exitcode=-9, error_file="/nonexistent")
-            raise ChildFailedError("qwen35_trainer.cli", {1: failure})
+            return RunResult(state=WorkerState.FAILED, failures={1: failure})
 
-        return run
-
-    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", killed)
-    assert launch(["tiny"], 2, 0) == 137
-    assert "worker rank 1 was killed by signal 9" in capsys.readouterr().err
+    monkeypatch.setattr(launching, "SupervisingAgent", Killed)
+    assert launching.launch(["tiny"], 2, 0) == 137
+    assert how_it_ended(-9) == "was killed by signal 9 (SIGKILL)"
+    assert how_it_ended(5) == "exited with code 5"
 
 
 def test_version_names_every_workspace_package_torch_and_transformers():

@@ -9,6 +9,7 @@ unfolded, or per-expert ranks confused, changes the logits."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,10 +40,13 @@ def _sets(base, *more):
 
 @pytest.fixture(scope="module")
 def trained(base, tmp_path_factory):
-    """3 steps of LoRA from the base, checkpointed."""
+    """3 steps of LoRA from the base, checkpointed: the recipe, the run's logs and state (read
+    before a later run releases it) and the checkpoint folder."""
     ckpt = tmp_path_factory.mktemp("ckpt")
     recipe = load_recipe("tiny", _sets(base, LORA, "train.steps=3", f"train.checkpoint_dir={ckpt}"))
-    return recipe, train(recipe), ckpt
+    with train(recipe) as result:
+        state = result.state_dict()
+    return recipe, SimpleNamespace(logs=result.logs, state_dict=lambda: state), ckpt
 
 
 def _trained(recipe, result):
