@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.model import build_config, build_training_model
 from qwen35_trainer.model.flops import peak_flops
 from qwen35_trainer.model.kernels import resolve_kernels
+from qwen35_trainer.model.loss import total_loss
 from qwen35_trainer.model.objective import TrainingObjective
 from qwen35_trainer.parallel import Layout, ParallelDims, validate_layout
 from qwen35_trainer.parallel.dist import all_ranks, init_distributed, rank, world
@@ -66,7 +68,6 @@ from qwen35_trainer.train.nonfinite import NonFiniteGuard, NonFiniteStep
 from qwen35_trainer.train.pipeline_step import step_function
 from qwen35_trainer.train.resume import changed_on_resume, restore_data_state, resume_point
 from qwen35_trainer.train.schedule import lr_at, optimizer_name, set_lr
-from qwen35_trainer.train.step import total_loss
 from safe_optim import build_optimizer
 
 __all__ = ["Setup", "StepLog", "TrainResult", "setup", "start_processes", "train"]
@@ -79,20 +80,25 @@ class TrainResult:
     """The step logs, the trained objective (its parameters are DTensors: shards on this
     rank's meshes, whole on one process's one-rank group) and its optimizer (with this rank's
     state). The run's process groups live until :meth:`close` (or the end of a ``with``
-    block, or the next run in this process: :mod:`qwen35_trainer.parallel.resources`)."""
+    block; dropped unclosed, the next run in this process releases them:
+    :mod:`qwen35_trainer.parallel.resources`)."""
 
     logs: list[StepLog]
     objective: TrainingObjective
     optimizer: torch.optim.Optimizer | None = None
     resources: RunResources | None = None
 
+    def __post_init__(self) -> None:
+        if self.resources is not None:  # the run stays open while the caller holds this
+            self.resources.result = weakref.ref(self)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's state as plain, whole tensors (each DTensor shard gathered; under
         a launch every rank must call it), in transformers' names."""
         if self.objective is None or (self.resources is not None and self.resources.released):
             raise RuntimeError(
-                "this TrainResult was closed (or a later run in this process released it): its "
-                "model's shards went with the run's process groups; read state_dict() first"
+                "this TrainResult was closed: its model's shards went with the run's process "
+                "groups; read state_dict() before closing it"
             )
         with torch.no_grad():  # values, not a graph that would keep the model alive
             return {
@@ -118,9 +124,9 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
     """Run ``recipe.train.steps`` optimizer steps, streaming each step's log to ``on_step``.
 
     Under ``torchrun`` (``WORLD_SIZE`` > 1) the process group is created here unless it exists.
-    What the run creates is released when it fails, and when its result is closed
-    (:class:`TrainResult`) or the next run starts; a :class:`NonFiniteStep` carries the run's
-    result, open, for inspection.
+    What the run creates is released when it fails, when its result is closed
+    (:class:`TrainResult`), or, the result dropped unclosed, when the next run starts; a
+    :class:`NonFiniteStep` carries the run's result, open, for inspection.
     """
     resources = open_run()
     try:
