@@ -26,6 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qwen35_trainer.data.feed import Feed
+from qwen35_trainer.model.loss import total_loss
 from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import Recipe
 from qwen35_trainer.supervise.run_folder import step_records
@@ -35,7 +36,6 @@ from qwen35_trainer.train.nonfinite import global_sources
 from qwen35_trainer.train.pipeline_step import step_function
 from qwen35_trainer.train.resume import checkpoints_in, load_checkpoint, restore_data_state
 from qwen35_trainer.train.schedule import lr_at, set_lr
-from qwen35_trainer.train.step import total_loss
 
 __all__ = ["Replay", "layer_grad_norms", "logged_record", "replay"]
 
