@@ -12,7 +12,7 @@ from helpers import TINY, demo_recipe, tiny
 from dist_testkit import assert_close, cpu_cuda_streams, cpu_micro_pipeline_tp, host_memory
 from fsdp_compat import full_tensor
 from qwen35_trainer import load_recipe, train
-from qwen35_trainer.train.run_folder import step_records
+from qwen35_trainer.supervise.run_folder import step_records
 
 STEPS = 3
 GLOBAL_SAMPLES = 4

@@ -1,8 +1,8 @@
 """A process that runs many trainings keeps no thread and no process group of the ones that
 ended (:mod:`qwen35_trainer.parallel.resources`): the check runs, one after another on the same
-ranks (or in one process), a run closed through ``with``, one that fails midway, one left open
-(the next run releases it), a replay and an export, and compares the thread count and the live
-process groups with those before them."""
+ranks (or in one process), a run closed through ``with``, one that fails midway, one dropped
+unclosed (the next run releases it), a replay and an export, and compares the thread count and
+the live process groups with those before them."""
 
 from __future__ import annotations
 
@@ -38,9 +38,11 @@ def check_runs_release_what_they_create(folder: str, *overrides: str) -> list[tu
     """Every run below leaves the counts as they were before it; returns them, in order."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     saved = Path(folder) / "checkpoints"
+    short = (*overrides, "train.steps=1")  # what the runs below leave is the point, not steps
     recipe = layout_recipe(
         world,
         *overrides,
+        "train.steps=2",
         f"train.checkpoint_dir={saved}",
         "train.checkpoint_every=1",
         "train.async_checkpoint=true",
@@ -49,19 +51,19 @@ def check_runs_release_what_they_create(folder: str, *overrides: str) -> list[tu
     with train(recipe):  # the first run starts what a process starts once (autograd's threads)
         pass
     counts = [_counts()]
-    with train(layout_recipe(world, *overrides)) as result:
+    with train(layout_recipe(world, *short)) as result:
         result.state_dict()
     counts.append(_counts())
     with pytest.raises(_Stop):
-        train(layout_recipe(world, *overrides), on_step=_fail)
+        train(layout_recipe(world, *short), on_step=_fail)
     counts.append(_counts())
-    train(layout_recipe(world, *overrides))  # left open: the next run releases it
-    with train(layout_recipe(world, *overrides)):
+    train(layout_recipe(world, *short))  # dropped unclosed: the next run releases it
+    with train(layout_recipe(world, *short)):
         pass
     counts.append(_counts())
     replay(recipe, saved, 2)
     counts.append(_counts())
-    export_checkpoint(recipe, saved / "step_000003", Path(folder) / "export")
+    export_checkpoint(recipe, saved / "step_000002", Path(folder) / "export")
     counts.append(_counts())
     assert len(counts) == 6 and len(set(counts)) == 1, counts
     return counts

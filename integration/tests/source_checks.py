@@ -1,5 +1,5 @@
 """The folders of :mod:`source_matrix`'s sources, their one-process references, and the check
-each rank of test_train_dp.py's launches runs for a ``(layout, source)`` cell."""
+each rank of test_train_matrix.py's launches runs for a ``(layout, source)`` cell."""
 
 from __future__ import annotations
 

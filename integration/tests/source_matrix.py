@@ -1,9 +1,9 @@
-"""The parity matrix of weight sources × layouts (test_train_dp.py's launches run it): every
+"""The parity matrix of weight sources × layouts (test_train_matrix.py's launches run it): every
 layout starts from every kind of folder a user brings and equals ONE process started from the
 same folder over 3 steps (loss, CE, aux, gradient norm at rel 1e-5 in fp32, every trained
 parameter).
 
-Sources (``{...}`` filled by the launch fixture with the folders test_train_dp.py writes):
+Sources (``{...}`` filled by the launch fixture with the folders test_train_matrix.py writes):
 
 - ``hf``: a transformers ``save_pretrained`` folder — bf16, the experts per expert, one file,
   no MTP head (transformers' model has none);
@@ -20,13 +20,13 @@ Sources (``{...}`` filled by the launch fixture with the folders test_train_dp.p
 Layouts: DP 2 · EP 2, CP 2 · EP 2, TP 2 + SP, PP 2 (world 2); PP 2 × CP 2 · EP 2, HSDP (2
 replicas × 2 shards) (world 4); the one-process runs are the references (and the ``export``
 folder, which holds the seeded weights, must train exactly as the seeded run:
-test_train_dp.py's ``matrix_references``). The rows are packed (PP and CP need it); the
+test_train_matrix.py's ``matrix_references``). The rows are packed (PP and CP need it); the
 pipeline layouts take 2 micro-batches per step, against one process that does too; the others
 one, so every micro-batch holds the same rows as the reference's and the aux loss is compared
 too.
 
 :data:`REFUSED`: the pairs the trainer refuses before any worker starts, with the reason
-(README "Layouts"); test_train_dp.py checks each refusal's message.
+(README "Layouts"); test_train_matrix.py checks each refusal's message.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from qwen35_trainer.parallel.dist import init_distributed
 from qwen35_trainer.parallel.megatron import megatron_refusals
 from qwen35_trainer.parallel.requirements import machine_refusals
 from qwen35_trainer.plan import plan
-from qwen35_trainer.train.console import what_runs
+from qwen35_trainer.supervise.console import what_runs
 
 
 def test_the_kernel_report_on_cpu_names_the_torch_paths():

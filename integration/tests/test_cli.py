@@ -11,13 +11,14 @@ import sys
 
 import pytest
 import yaml
+from helpers import ONE_PROCESS, SYNTHETIC
 
 import qwen35_trainer.cli as cli
 from qwen35_trainer import load_recipe
 from qwen35_trainer.cli import main
 from qwen35_trainer.recipe import recipe_from_dict
-from qwen35_trainer.train.metrics import METRIC_FIELDS
-from qwen35_trainer.train.run_folder import step_records
+from qwen35_trainer.supervise.metrics import METRIC_FIELDS
+from qwen35_trainer.supervise.run_folder import step_records
 
 LINE = re.compile(r"^step +(\d+)/(\d+)  loss ([0-9.]+)  ce ([0-9.]+)  aux ([0-9.]+)  ")
 
@@ -29,7 +30,7 @@ def _losses(text: str) -> list[float]:
 def test_main_command_trains_on_4_workers_and_fills_the_run_folder(capfd, tmp_path):
     """``qwen35-train tiny``, shortened to 30 steps: 4 workers (DP 2 × CP 2, EP 2) started by
     the command itself; rank 0 alone prints, first what runs (layout, precision, kernels,
-    parameters, data, run folder), and no warning; the loss falls; the run folder has the
+    parameters, where each input was read from, data, run folder), and no warning; the loss falls; the run folder has the
     resolved recipe, every metric of every step, TensorBoard events, the plot and 4 rank
     logs."""
     out_dir = tmp_path / "run"
@@ -38,8 +39,20 @@ def test_main_command_trains_on_4_workers_and_fills_the_run_folder(capfd, tmp_pa
     out, err = capfd.readouterr()
     said = [line.removeprefix("qwen35-train: ") for line in err.splitlines()]
     assert said[0] == "starting 4 local workers: dp 2 x cp 2 (--nproc N changes dp)", err
-    opening = [line.split(":")[0] for line in said[2:8]]
-    assert opening == ["layout", "precision", "kernels", "parameters", "data", "run folder"], err
+    opening = [
+        line.split(":")[0]
+        for line in said[2 : said.index(next(x for x in said if x.startswith("run folder"))) + 1]
+    ]
+    inputs = ["data.processor", "data.path", "data.eval_path"]  # where each was read from
+    assert opening == [
+        "layout",
+        "precision",
+        "kernels",
+        "parameters",
+        *inputs,
+        "data",
+        "run folder",
+    ], err
     assert said[2].startswith("layout: pp 1 x dp_replicate 1 x dp 2 x cp 2 x tp 1, ep 2"), err
     for noise in ("returned a view tensor", "CUDA_HOME", "sequential all_reduce", "Warning"):
         assert noise not in err, err  # nothing a user would read as "my run may be wrong"
@@ -170,18 +183,99 @@ def test_help_names_outputs_and_builtin_recipes(capsys, flag):
     )
 
 
-def test_a_worker_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(monkeypatch, capsys):
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+def test_a_worker_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(monkeypatch):
+    """The job's exit status when the last attempt's first failed worker was killed by signal 9
+    (the agent's run gives the failure; test_faults.py kills a real worker): 128 + 9, the
+    shell's convention; the agent's line for it names the signal."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from qwen35_trainer.train.launch import launch
+    from qwen35_trainer.supervise import launch as launching
+    from qwen35_trainer.supervise.agent import how_it_ended
 
-    def killed(config, entrypoint):
-        def run(*args):
+    class Killed:
+        def __init__(self, *args, **kwargs):
+            self.exit_codes = {}
+
+        def run(self):
             failure = ProcessFailure(local_rank=1, pid=123, exitcode=-9, error_file="/nonexistent")
-            raise ChildFailedError("qwen35_trainer.cli", {1: failure})
+            return RunResult(state=WorkerState.FAILED, failures={1: failure})
 
-        return run
+    monkeypatch.setattr(launching, "SupervisingAgent", Killed)
+    assert launching.launch(["tiny"], 2, 0) == 137
+    assert how_it_ended(-9) == "was killed by signal 9 (SIGKILL)"
+    assert how_it_ended(5) == "exited with code 5"
 
-    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", killed)
-    assert launch(["tiny"], 2, 0) == 137
-    assert "worker rank 1 was killed by signal 9" in capsys.readouterr().err
+
+def test_version_names_every_workspace_package_torch_and_transformers():
+    """``qwen35-train --version`` (a real process): one ``NAME VERSION`` line for the trainer and
+    each package the workspace ships (every ``packages/*`` but the test-only dist-testkit, as
+    their pyproject.toml files say), torch and transformers; exit 0."""
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "qwen35_trainer.cli", "--version"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    root = Path(cli.__file__).parents[3]
+    projects = [root / "integration", *sorted((root / "packages").iterdir())]
+    want = {}
+    for folder in projects:
+        project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+        if project["name"] != "dist-testkit":
+            want[project["name"]] = project["version"]
+    assert len(want) == 9, want
+    want |= {name: importlib.metadata.version(name) for name in ("torch", "transformers")}
+    assert said == want, done.stdout
+
+
+def test_show_prints_the_recipe_yaml_of_a_run_of_the_same_command(capsys, monkeypatch, tmp_path):
+    """``qwen35-train show tiny --set ...`` prints, byte for byte, the ``recipe.yaml`` a run of
+    the same command writes, the command's run folder default included (``runs/tiny-<id>``, the
+    launcher's run id pinned so the two agree); it builds no module and starts no process
+    group. A bad recipe exits 2 with the reason."""
+    import torch.distributed as dist
+    from torch import nn
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "pinned")
+    sets = [*ONE_PROCESS, *SYNTHETIC, "train.steps=1", "train.log_every=1"]
+    args = [a for s in sets for a in ("--set", s)]
+
+    def nothing_started(*args, **kwargs):
+        raise AssertionError("show started something")
+
+    with monkeypatch.context() as started:
+        started.setattr(nn.Module, "__init__", nothing_started)
+        started.setattr(dist, "init_process_group", nothing_started)
+        assert main(["show", "tiny", *args]) == 0
+    shown = capsys.readouterr().out
+    assert not (tmp_path / "runs").exists()  # (init_process_group would have raised above)
+    assert shown.startswith("# kernels this run ran") and "output_dir: runs/tiny-pinned\n" in shown
+    assert main(["tiny", *args]) == 0
+    assert (tmp_path / "runs" / "tiny-pinned" / "recipe.yaml").read_text() == shown
+    assert main(["show", "tiny", "--set", "train.stepz=1"]) == 2
+    assert "qwen35-train show: unknown recipe key(s) ['train.stepz']" in capsys.readouterr().err
+
+
+def test_the_progress_bar_shows_the_held_out_loss_and_accuracy(capsys, monkeypatch):
+    """On a terminal rank 0 draws a bar; a step that evaluated puts the held-out loss and
+    accuracy in it (as the step line has them), and they stay until the next evaluation."""
+    from qwen35_trainer.supervise.console import Console
+    from qwen35_trainer.supervise.metrics import StepLog
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    console = Console(3, 1, printing=True)
+    assert console.bar is not None
+    plain = {"loss": 2.5, "ce": 2.5, "aux": 0.0, "grad_norm": 1.0, "tokens": 64, "seconds": 0.5}
+    console.step(StepLog(1, **plain))
+    assert "eval" not in console.bar.postfix
+    console.step(StepLog(2, **plain, eval_loss=1.23456, eval_accuracy=0.375))
+    assert "eval=1.2346, accuracy=0.375" in console.bar.postfix
+    console.step(StepLog(3, **plain, eval_mtp_accuracy=None))
+    assert console.bar.postfix.endswith("eval=1.2346, accuracy=0.375")
+    console.close([], None)
+    assert "eval=1.2346, accuracy=0.375" in capsys.readouterr().err  # what the terminal got

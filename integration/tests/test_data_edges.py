@@ -1,8 +1,9 @@
 """The data's last edges, against the plain case they must equal: a folder of ragged JSON Lines
 files reads as the same files one by one (row for row, per-file line numbers); media as
 ``data:`` URLs, OpenAI ``image_url`` parts or ``base64`` keys encode exactly as the file they
-hold; a byte-order mark is skipped; ``save_to_disk`` folders load (a DatasetDict's split).
-Every fault is one bad row naming ``FILE:LINE`` — never a whole-file abort or a traceback."""
+hold; a byte-order mark is skipped; a line that is not UTF-8 is one bad row; ``save_to_disk``
+folders load (a DatasetDict's split). Every fault is one bad row naming ``FILE:LINE`` — never
+a whole-file abort or a traceback."""
 
 from __future__ import annotations
 
@@ -140,5 +141,38 @@ def test_data_check_lists_bad_embedded_rows_and_training_skips_them(
     out = capsys.readouterr()
     assert f"{path}:2" in out.out + out.err and f"{path}:3" in out.out + out.err
     assert "Traceback" not in out.err and len(out.out + out.err) < 20_000
+    skip = [*args, "--set", "data.on_bad_row=skip", "--set", "train.steps=1"]
+    assert main(["tiny", *skip]) == 0
+
+
+def test_a_line_that_is_not_utf8_is_one_bad_row(demo, tmp_path, capsys, monkeypatch):
+    """A Latin-1 byte on one line (between CRLF lines, after a blank one): that row is a bad row
+    naming ``FILE:LINE``, the byte and its column; the file's other rows read — one holding
+    U+FFFD itself is no bad row — ``data check`` lists it (exit 3) and training skips it."""
+    good = json.dumps(PLAIN).encode()
+    odd = json.dumps(
+        {"messages": [PLAIN["messages"][0], {"role": "assistant", "content": "\ufffd"}]},
+        ensure_ascii=False,  # U+FFFD's own bytes on the line
+    )
+    bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b"\r\n".join([good, b"", bad, odd.encode(), good]) + b"\n")
+    assert "\ufffd".encode() in path.read_bytes()
+    rows = open_rows(str(path))
+    assert len(rows) == 4 and [rows.name(i) for i in (1, 2)] == [f"{path}:3", f"{path}:4"]
+    assert rows.row(0) == rows.row(3) == PLAIN and rows.row(2) == json.loads(odd)
+    with pytest.raises(DataError) as error:
+        rows.row(1)
+    assert str(error.value) == (
+        f"{path}:3: not UTF-8: byte 0xe9 at column 47 (save the file as UTF-8)"
+    )
+    monkeypatch.chdir(tmp_path)  # the run folder
+    sets = [*ONE_PROCESS, f"data.path={path}", f"data.processor={demo / 'processor'}",
+            "data.eval_path=null", "train.eval_every=0"]  # fmt: skip
+    args = [a for s in sets for a in ("--set", s)]
+    assert main(["data", "check", "tiny", *args]) == 3
+    out = capsys.readouterr().out
+    assert "samples     3 good, 1 bad" in out, out
+    assert f"bad row     {path}:3: not UTF-8: byte 0xe9 at column 47" in out, out
     skip = [*args, "--set", "data.on_bad_row=skip", "--set", "train.steps=1"]
     assert main(["tiny", *skip]) == 0

@@ -3,11 +3,14 @@ copy of the source checkpoint (people keep the tokenizer beside the weights that
 refused, and with ``--overwrite`` the folder holds only the new weights — transformers then
 loads the TRAINED weights, not the copy's — under the source's tensor names (per expert, as
 ``save_pretrained`` wrote them), with ``architectures`` and ``dtype`` in ``config.json`` and
-the source's processor, chat template and generation config beside them."""
+the source's processor, chat template and generation config beside them — the generation
+config with the tokenizer's ``<|im_end|>`` as eos, so ``generate`` stops there — every file
+with the same mode."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -20,6 +23,13 @@ from helpers import ONE_PROCESS, SYNTHETIC
 from qwen35_trainer import load_recipe, train
 from qwen35_trainer.cli import main
 from qwen35_trainer.data.demo import make_demo
+from qwen35_trainer.model.weights.saving import creation_mode
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _names(folder: Path) -> set[str]:
@@ -88,6 +98,55 @@ def test_export_into_a_copy_of_the_source(trained, tmp_path, capsys):
     assert transformers.GenerationConfig.from_pretrained(out).max_new_tokens == 7
 
 
+def test_config_json_carries_every_field_vllm_and_sglang_read(trained, tmp_path):
+    """The merged export's ``config.json`` states, with the model's values, every field the two
+    servers' Qwen3.5 loaders read (:mod:`served_fields` names them and the sources), the M-RoPE
+    split and the attention period included, and transformers still loads it."""
+    from served_fields import check_served_fields
+
+    from qwen35_trainer import build_config
+
+    _, checkpoint, sets, _ = trained
+    out = tmp_path / "served"
+    assert _export(sets, checkpoint, out) == 0
+    written = json.loads((out / "config.json").read_text())
+    check_served_fields(written, build_config(load_recipe("tiny", sets).model))
+    assert written["text_config"]["full_attention_interval"] == 4
+    loaded = transformers.AutoConfig.from_pretrained(out).text_config
+    assert loaded.layer_types == written["text_config"]["layer_types"]
+
+
+def test_generate_stops_at_the_end_of_turn_the_generation_config_names(trained, tmp_path):
+    """The export's ``generation_config.json`` holds the source's settings and the tokenizer's
+    ``<|im_end|>`` as eos and its pad token as pad (the source's file had neither), so
+    ``generate`` on the exported model stops once ``<|im_end|>`` comes: here forced as the third
+    new token, of the 7 the source's config allows."""
+    _, checkpoint, sets, _ = trained
+    out = tmp_path / "chat"
+    assert _export(sets, checkpoint, out) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = transformers.GenerationConfig.from_pretrained(out)
+    assert (config.eos_token_id, config.pad_token_id) == (im_end, tokenizer.pad_token_id)
+    assert config.max_new_tokens == 7 and im_end != tokenizer.pad_token_id
+    model = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(out)
+    prompt = tokenizer("<|im_start|>user\ncolour?<|im_end|>\n<|im_start|>assistant\n")
+    prompt = torch.tensor([prompt["input_ids"]])
+
+    class EndOnThird(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            ending = input_ids.shape[1] == prompt.shape[1] + 2
+            scores[:, im_end] = -torch.inf
+            if ending:
+                scores[:] = -torch.inf
+                scores[:, im_end] = 0.0
+            return scores
+
+    forced = transformers.LogitsProcessorList([EndOnThird()])
+    said = model.generate(prompt, logits_processor=forced, do_sample=False)
+    assert said.shape[1] == prompt.shape[1] + 3 and int(said[0, -1]) == im_end, said
+
+
 def test_export_experts_stacked_and_bf16_on_request(trained, tmp_path, capsys):
     from qwen35_trainer.train.export import PROCESSOR_FILES
 
@@ -106,6 +165,10 @@ def test_export_experts_stacked_and_bf16_on_request(trained, tmp_path, capsys):
     assert f"copied byte for byte from {source}: {', '.join(held)}" in said
     assert any(name.endswith(".mlp.experts.gate_up_proj") for name in _names(out))
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # every file readable as the others (safetensors alone wrote owner-only 0600 files)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert set(modes.values()) == {oct(creation_mode())}, modes
+    assert creation_mode() == 0o666 & ~_umask(), modes  # what open() gives a new file
     loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(out)
     assert loaded.dtype == torch.bfloat16
     assert all(torch.equal(v, state[k].to(torch.bfloat16)) for k, v in loaded.state_dict().items())

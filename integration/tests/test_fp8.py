@@ -284,6 +284,7 @@ def test_merged_exports_dequantize_or_requantize(checkpoints, trained, tmp_path)
     import json
 
     from fp8_fixtures import dequantize_by_hand
+    from served_fields import check_served_fields
 
     _, fp8, _ = checkpoints
     recipe, result, ckpt, sets = trained
@@ -310,6 +311,7 @@ def test_merged_exports_dequantize_or_requantize(checkpoints, trained, tmp_path)
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     source_config = json.loads((fp8 / "config.json").read_text())
     assert config["quantization_config"] == source_config["quantization_config"]
+    check_served_fields(config, result.objective.model.config)  # what vLLM / SGLang read
     assert set(written) == set(source)  # the source's tensors, names and layout
     scales = {"dense": 64 / 4, "experts": 64 / 8}  # alpha / rank, alpha / expert_rank
     checked = 0
@@ -379,7 +381,7 @@ def test_lora_on_the_fp8_base_learns_like_on_the_bf16_base(checkpoints, tmp_path
 
 def test_the_run_says_what_the_base_is_held_in(checkpoints):
     from qwen35_trainer.model.kernels import resolve_kernels
-    from qwen35_trainer.train.console import what_runs
+    from qwen35_trainer.supervise.console import what_runs
 
     base, fp8, _ = checkpoints
     cpu = torch.device("cpu")

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from qwen35_trainer import build_model
 from qwen35_trainer.model.kernels import resolve_kernels
-from qwen35_trainer.train.console import what_runs
+from qwen35_trainer.supervise.console import what_runs
 
 BLOCK = (12, 12)
 LORA = "model.lora={rank: 4, alpha: 8, expert_rank: 8}"

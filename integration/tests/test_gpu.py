@@ -19,7 +19,7 @@ import torch
 from helpers import SYNTHETIC, tiny
 
 from qwen35_trainer.model.kernels import resolve_kernels
-from qwen35_trainer.train.run_folder import step_records
+from qwen35_trainer.supervise.run_folder import step_records
 
 pytestmark = [
     pytest.mark.gpu,

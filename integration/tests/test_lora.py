@@ -22,6 +22,7 @@ from qwen35_trainer.cli import main
 from qwen35_trainer.data import global_batch
 from qwen35_trainer.data.demo import make_demo
 from qwen35_trainer.model.lora.adapters import is_adapter
+from qwen35_trainer.model.weights.saving import creation_mode
 
 LORA = "model.lora={rank: 4, alpha: 12, expert_rank: 8}"
 
@@ -145,6 +146,8 @@ def test_peft_loads_the_adapter_onto_transformers_model(base, trained, tmp_path)
     ours = _logits(_trained(recipe, result), recipe)
     out = tmp_path / "peft"
     assert _export(base, ckpt, out, "peft") == 0
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert set(modes.values()) == {oct(creation_mode())}, modes  # the adapter too, not 0600
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
     assert config["lora_alpha"] == config["r"] == 4 and config["base_model_name_or_path"] == str(

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import transformers
 from helpers import tiny
 from safetensors.torch import load_file, save_file
+from served_fields import check_served_fields
 
 from dist_testkit import assert_close
 from qwen35_trainer import TrainingObjective, build_config, build_model, train
@@ -29,7 +30,7 @@ from qwen35_trainer.data import IGNORE_INDEX, Sample, rank_samples
 from qwen35_trainer.data.packing import pack
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.parallel import Layout
-from qwen35_trainer.train.run_folder import step_records
+from qwen35_trainer.supervise.run_folder import step_records
 from qwen35_trainer.train.step import count_targets
 
 MTP = ("model.expert_backend=torch", "data.samples_per_rank=3")
@@ -195,7 +196,7 @@ def test_the_head_needs_packed_rows():
 def test_a_run_reports_the_mtp_loss_and_held_out_accuracy(tmp_path):
     """metrics.jsonl, the console line and loss.png carry the head's numbers; ``loss`` is the
     minimised total ``ce + aux_coef * aux + mtp_loss_weight * mean(mtp_loss)``."""
-    from qwen35_trainer.train.console import Console
+    from qwen35_trainer.supervise.console import Console
 
     out = tmp_path / "run"
     result = train(
@@ -336,6 +337,7 @@ def test_export_writes_the_public_mtp_names_with_the_trained_values(public_check
                                else public[name]), name  # fmt: skip
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["text_config"]["mtp_num_hidden_layers"] == 1
+    check_served_fields(config, result.objective.model.config, mtp=True)  # vLLM's, SGLang's
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert set(written) <= set(index["weight_map"])
     transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path)  # ignores mtp.*

@@ -15,10 +15,10 @@ from qwen35_trainer.cli import main
 from qwen35_trainer.data.demo import make_demo
 from qwen35_trainer.data.feed import micro_batches
 from qwen35_trainer.parallel import Layout
+from qwen35_trainer.supervise.run_folder import step_records
 from qwen35_trainer.train.integrity import INTACT, verify
 from qwen35_trainer.train.nonfinite import NonFiniteStep
 from qwen35_trainer.train.resume import checkpoints_in
-from qwen35_trainer.train.run_folder import step_records
 from qwen35_trainer.train.step import train_step
 
 DATA = ("data.global_batch=2", "data.pack_length=128", "train.eval_every=0")

@@ -1,6 +1,7 @@
 """Every stage's public names exist: each module of ``qwen35_trainer`` imports on its own (no
 hidden import cycle), and every name in its ``__all__`` is there. The stages import one way:
-recipe → parallel → data → model → train / plan → cli (no module imports a later stage)."""
+recipe → parallel → data → model → supervise → train / plan → cli (no module imports a later
+stage)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,21 @@ import qwen35_trainer
 PACKAGE = Path(qwen35_trainer.__file__).parent
 MODULES = sorted(m.name for m in pkgutil.walk_packages([str(PACKAGE)], "qwen35_trainer."))
 # A module may import its own stage and the stages before it.
-# cli_common: the exit codes and recipe arguments every command shares (imports nothing)
-ORDER = ["cli_common", "recipe", "parallel", "data", "model", "train", "plan", "cli"]
+# cli_common: the exit codes and recipe arguments every command shares (imports nothing);
+# supervise: how a run is launched, stopped and recorded, which the train loop calls;
+# cli_info: the informational commands (--version, show)
+ORDER = [
+    "cli_common",
+    "recipe",
+    "parallel",
+    "data",
+    "model",
+    "supervise",
+    "train",
+    "plan",
+    "cli_info",
+    "cli",
+]
 
 
 def _stage(module: str) -> str:

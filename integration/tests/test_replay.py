@@ -15,8 +15,8 @@ from qwen35_trainer.data.loader import DataStream
 from qwen35_trainer.model import build_config
 from qwen35_trainer.parallel import Layout
 from qwen35_trainer.recipe import load_recipe
+from qwen35_trainer.supervise.run_folder import step_records
 from qwen35_trainer.train.replay import replay
-from qwen35_trainer.train.run_folder import step_records
 
 RUN = (
     *ONE_PROCESS,

@@ -2,7 +2,8 @@
 
 The reference runs here, in one process, on the global batch (``dp=1`` with all the rows);
 each rank of a launch trains its share under a layout and compares with it, one launch per
-world size for all layouts. At world 4 each rank holds one row and the smallest parameters
+world size for this file's layouts (the compiled ones: test_train_compiled.py; every layout from
+every weight source: test_train_matrix.py). At world 4 each rank holds one row and the smallest parameters
 leave some ranks with empty local shards. Layouts: FSDP2 data parallelism; EP 2 (experts split
 over pairs of ranks, dense parameters over all, experts FSDP-sharded over the rest); EP = world
 with activation checkpointing of decoder and vision blocks and packed rows (the reference is
@@ -11,18 +12,15 @@ layout) with activation checkpointing; DP x CP 2 with the experts split over the
 DP x TP 2 (attention heads and shared expert split) on packed rows. Every TP layout runs with
 sequence parallelism (the default with tp > 1: TP 2, DP 2 x TP 2 with checkpointing, TP 2 x CP 2,
 DP 2 x TP 2 x EP 2 with accumulation, bf16 TP 2) except TP 2 x EP 2, which keeps the replicated
-residual stream (``parallel.sequence_parallel=false``). DP 2 x CP 2 x EP 2 and TP 2 also run with every
-block compiled (``train.compile``, with checkpointing); TP 2 also with async TP
-(``parallel.async_tp``: Inductor's micro-pipeline TP pass fusing the blocks' collectives into
-their matmuls on these CPU ranks, ``dist_testkit.cpu_micro_pipeline_tp``). The packed layouts with TP,
+residual stream (``parallel.sequence_parallel=false``). The packed layouts with TP,
 EP = world, CP 2 x EP 2 and bf16 also train the multi-token-prediction head, against one packed
 process with it (the token after a CP rank's last position lives on the other rank). Resume: a run stopped after one
 step (DCP checkpoint, written synchronously or in the background) and started again continues
 exactly, under the same layout and in one process; with the newest checkpoint damaged in one
 rank's file, every rank falls back to the one before it. megatron-fsdp
 (``parallel.fsdp_backend=megatron``, the real package on these CPU ranks under
-``dist_testkit.cpu_cuda_streams``): DP 2 with accumulation, evaluation and export, CP 2 with
-checkpointing, compiled blocks and the MTP head, bf16 (also resumed), HSDP (2 replicas x CP 2)
+``dist_testkit.cpu_cuda_streams``): DP 2 with accumulation, evaluation and export, bf16 (also
+resumed), HSDP (2 replicas x CP 2)
 with accumulation (also resumed); a checkpoint written on megatron-fsdp resumes on FSDP2 and the
 other way round.
 """
@@ -32,81 +30,52 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pp_layouts
 import pytest
 import torch
-import train_layouts
 import transformers
 from dist_checks import (
-    STEPS,
     assert_same_run,
-    check_async_tp_equals_one_process,
     check_checkpoints_cross_backends,
-    check_megatron_equals_one_process,
     check_resume_equals_uninterrupted,
     check_resume_skips_a_damaged_checkpoint,
     check_runs_repeat,
-    check_training_equals_one_process,
     layout_recipe,
 )
-from fp8_dist_checks import check_fp8_equals_one_process
-from fp8_fixtures import export_base, fp8_checkpoint
+from layout_launch import (
+    COMPARE,
+    LAYOUTS,
+    VARIANTS,
+    layout_checks,
+    one_process_references,
+    write_fp8_base,
+)
 from pp_checks import (
     check_padding_not_computed,
-    check_pipeline_equals_one_process,
-    check_pipeline_eval_and_export,
     pp_export_equals_one_process,
     pp_resume_in_one_process,
 )
 from pp_layouts import PP_EXPORTED, PP_RESUMED
 from resource_checks import check_runs_release_what_they_create
-from source_checks import check_from_source, matrix_folders, matrix_references
-from source_matrix import MATRIX_LAYOUTS, MATRIX_SOURCES, REFUSED, ROWS, cells
-from train_layouts import REPEATS, RESUMED, RESUMED_AT_2
+from train_layouts import COMPILED, REPEATS, RESUMED, RESUMED_AT_2
 
 from dist_testkit import named_check, run_checks
 from qwen35_trainer import train
 
-# the layout tables, each launch running all of them at its world size
-LAYOUTS = {**train_layouts.LAYOUTS, **pp_layouts.PP_LAYOUTS}
-VARIANTS = {**train_layouts.VARIANTS, **pp_layouts.PP_VARIANTS}
-COMPARE = {**train_layouts.COMPARE, **pp_layouts.PP_COMPARE}
-
-
-def _check_of(layout: str):
-    """The rank-side check of ``layout``: the megatron-fsdp and async-TP layouts' own, else
-    the plain comparison with one process."""
-    if layout.startswith("megatron"):
-        return check_megatron_equals_one_process
-    if layout.startswith("async_tp"):
-        return check_async_tp_equals_one_process
-    if "fp8" in layout:
-        return check_fp8_equals_one_process
-    if layout in PP_EXPORTED:
-        return check_pipeline_eval_and_export
-    if layout.startswith("pp"):
-        return check_pipeline_equals_one_process
-    return check_training_equals_one_process
+# this file's layouts: every one but the compiled ones (test_train_compiled.py)
+HERE = [name for name in LAYOUTS if name not in COMPILED]
 
 
 @pytest.fixture(scope="module")
 def fp8_base(tmp_path_factory):
-    """A tiny checkpoint in Qwen's FP8 format (:func:`fp8_fixtures.fp8_checkpoint`)."""
-    root = tmp_path_factory.mktemp("fp8_base")
-    return fp8_checkpoint(root / "fp8", export_base(root / "bf16"))
+    return write_fp8_base(tmp_path_factory.mktemp("fp8_base"))
 
 
 @pytest.fixture(scope="module")
 def references(fp8_base):
-    """The one-process run of each variant: its step logs and final (fp32) parameters."""
-    out = {}
-    for name, overrides in VARIANTS.items():
-        result = train(layout_recipe(1, *(o.format(fp8=fp8_base) for o in overrides)))
-        # one-process bf16 runs FSDP2 on a one-rank group: its DTensors' local part is whole
-        state = {k: v.detach().float().clone() for k, v in result.state_dict().items()}
-        assert len(result.logs) == STEPS and result.logs[-1].loss < result.logs[0].loss
-        out[name] = (result.logs, state)
-    return out
+    """The one-process run of each variant this file's layouts and checks compare with."""
+    return one_process_references(
+        [LAYOUTS[name][1] for name in HERE] + ["base", "lora_mtp", "pp_mtp"], fp8_base
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +83,10 @@ def one_process_pp_checkpoint(tmp_path_factory):
     """The one-process run of the ``pp_mtp`` variant stopped after step 1: its checkpoint
     folder (a PP run resumes from it)."""
     folder = tmp_path_factory.mktemp("one_process_pp")
-    train(layout_recipe(1, *VARIANTS["pp_mtp"], f"train.checkpoint_dir={folder}", "train.steps=1"))
+    with train(
+        layout_recipe(1, *VARIANTS["pp_mtp"], f"train.checkpoint_dir={folder}", "train.steps=1")
+    ):
+        pass
     return folder
 
 
@@ -123,16 +95,8 @@ def reference(references):
     return references["base"]
 
 
-@pytest.fixture(scope="module")
-def matrix(fp8_base, tmp_path_factory):
-    """The source matrix's folders (source_matrix.py) and the one-process run from each."""
-    root = tmp_path_factory.mktemp("matrix")
-    folders = matrix_folders(root, fp8_base)
-    return folders, matrix_references(folders, root)
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def launch(request, references, matrix, fp8_base, one_process_pp_checkpoint, tmp_path_factory):
+def launch(request, references, fp8_base, one_process_pp_checkpoint, tmp_path_factory):
     world = request.param
     exported = tmp_path_factory.mktemp(f"export_world{world}")
     megatron_exported = tmp_path_factory.mktemp(f"megatron_export_world{world}")
@@ -150,32 +114,15 @@ def launch(request, references, matrix, fp8_base, one_process_pp_checkpoint, tmp
         for name in RESUMED | PP_RESUMED
         if world in LAYOUTS[name][2]
     }
-    checks = {
-        name: named_check(
-            f"{name}@{world}",
-            _check_of(name),
-            tuple(o.format(**fill) for o in overrides),
-            *references[variant],
-            COMPARE.get(variant),
+    folders = {
+        name: [
             *([resume_dirs[name]] if name in resume_dirs else []),
             *([str(one_process_pp_checkpoint)] if name in PP_RESUMED else []),
             *([str(tmp_path_factory.mktemp(name))] if name in PP_EXPORTED else []),
-        )
-        for name, (overrides, variant, worlds) in LAYOUTS.items()
-        if world in worlds
+        ]
+        for name in HERE
     }
-    folders, matrix_refs = matrix
-    for layout, source in cells(world):
-        micro = MATRIX_LAYOUTS[layout][1]
-        checks[f"{layout}/{source}"] = named_check(
-            f"{layout}/{source}@{world}",
-            check_from_source,
-            layout,
-            source,
-            folders,
-            matrix_refs[source, micro],
-            str(tmp_path_factory.mktemp(f"{layout}_{source}")),
-        )
+    checks = layout_checks(HERE, world, fill, references, folders)
     if world == 2:  # a stage's layers run the rows' tokens, not the buffers' padding
         checks["pp_padding"] = named_check(
             "pp_padding@2",
@@ -230,14 +177,14 @@ def launch(request, references, matrix, fp8_base, one_process_pp_checkpoint, tmp
             checks[name] = named_check(
                 name, check_runs_repeat, str(tmp_path_factory.mktemp(name)), overrides
             )
-    report = run_checks(list(checks.values()), world, timeout=1200)
+    report = run_checks(list(checks.values()), world, timeout=900)
     return checks, report, saved, (exported, megatron_exported), resume_dirs
 
 
 @pytest.mark.parametrize(
     "layout",
     [
-        *LAYOUTS,
+        *HERE,
         "resume",
         "resume_async",
         "resume_damaged",
@@ -254,51 +201,6 @@ def test_layout_equals_one_process(launch, layout):
         worlds = LAYOUTS[layout][2] if layout in LAYOUTS else (2 if layout in RESUMED_AT_2 else 4)
         pytest.skip(f"{layout} runs at world {worlds}")
     report.assert_passed(checks[layout])
-
-
-@pytest.mark.parametrize("source", list(MATRIX_SOURCES))
-@pytest.mark.parametrize("layout", list(MATRIX_LAYOUTS))
-def test_layout_from_each_source_equals_one_process(launch, matrix, layout, source):
-    """source_matrix.py: each layout started from each folder a user brings equals one
-    process from that folder; a refused pair is refused before any rank starts, with its
-    reason."""
-    checks, report, *_ = launch
-    if (layout, source) in REFUSED:
-        _assert_refused(layout, source, matrix[0])
-        return
-    if f"{layout}/{source}" not in checks:
-        pytest.skip(f"{layout} runs at world {MATRIX_LAYOUTS[layout][2]}")
-    report.assert_passed(checks[f"{layout}/{source}"])
-
-
-def test_the_export_folder_trains_as_the_seeded_model(matrix):
-    """The matrix's ``export`` folder holds the seeded weights (fp32, stacked experts, sharded
-    with an index): one process started from it takes the seeded run's steps exactly."""
-    logs, state = matrix[1]["export", 1]
-    seeded = train(layout_recipe(1, *ROWS, "model.mtp_layers=1"))
-    for ours, theirs in zip(logs, seeded.logs, strict=True):
-        assert (ours.loss, ours.grad_norm, ours.mtp_loss) == (
-            theirs.loss,
-            theirs.grad_norm,
-            theirs.mtp_loss,
-        )
-    for name, value in seeded.state_dict().items():
-        assert torch.equal(state[name], value.float()), name
-
-
-def _assert_refused(layout: str, source: str, folders: dict) -> None:
-    """The layout checks every launch makes before any worker starts refuse the pair with
-    its reason (source_matrix.REFUSED)."""
-    from source_checks import source_overrides
-
-    from qwen35_trainer.model import build_config
-    from qwen35_trainer.parallel.layout_checks import validate_layout
-
-    overrides, micro, (world, *_) = MATRIX_LAYOUTS[layout]
-    recipe = layout_recipe(world, *source_overrides(source, folders, micro), *overrides)
-    with pytest.raises(ValueError, match="invalid parallel layout") as err:
-        validate_layout(recipe, world, config=build_config(recipe.model), on_this_machine=False)
-    assert REFUSED[layout, source] in str(err.value)
 
 
 def test_checkpoint_of_a_pipeline_run_resumes_in_one_process(

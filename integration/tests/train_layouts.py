@@ -1,6 +1,6 @@
-"""The layouts test_train_dp.py trains against one process: each layout's overrides, the
-one-process reference variant it is compared with, the world sizes it runs at, and how closely
-it must agree (as data: one table the launch fixture reads)."""
+"""The layouts test_train_dp.py and test_train_compiled.py train against one process: each
+layout's overrides, the one-process reference variant it is compared with, the world sizes it
+runs at, and how closely it must agree (as data: one table the launch fixtures read)."""
 
 from __future__ import annotations
 
@@ -357,6 +357,10 @@ RESUMED_AT_2 = (
     "pp_padding",
     "runs_release",
 )  # the checks at world 2 only besides LAYOUTS
+# the layouts that compile their blocks (Inductor's CPU code generation: minutes on a cold
+# cache), launched on their own (test_train_compiled.py) so that the suite's two workers share
+# them with the rest
+COMPILED = ("compiled_dp2_cp2_ep2", "compiled_tp2", "async_tp2", "megatron_cp2_ac")
 
 VARIANTS = {
     "base": (),

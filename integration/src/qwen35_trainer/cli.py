@@ -7,6 +7,9 @@ a report of a recipe's dataset read through its processor;
 ``qwen35-train checkpoint verify DIR``: is a checkpoint (or each one under DIR) intact?
 ``qwen35-train replay RECIPE CHECKPOINT --step N``: step N recomputed from the checkpoint before
 it, with every layer's gradient norm and the documents of its batch.
+``qwen35-train show RECIPE [--set ...]``: the resolved recipe, byte for byte the run folder's
+``recipe.yaml`` of the same command (:mod:`qwen35_trainer.cli_info`); ``qwen35-train
+--version``: the versions of the trainer, its packages, torch and transformers.
 
 ``RECIPE`` is a YAML file or the name of a built-in recipe (``tiny``). A recipe that needs N
 ranks, run outside torchrun, starts its N local workers itself through PyTorch's elastic
@@ -24,14 +27,17 @@ documents of its global batch); 2 a bad recipe, one that does not fit the launch
 message says why, naming the file and row);
 3 (``checkpoint verify``) a checkpoint that is not intact;
 4 an unexpected internal error (with its traceback); 5 stopped by SIGTERM / SIGUSR1 after
-finishing a step and saving a checkpoint (run the same command again to resume).
+finishing a step and saving a checkpoint (run the same command again to resume); 6 a rank made
+no progress for ``train.hang_timeout`` seconds (stacks in ``<output_dir>/hang/``).
 ``--max-restarts N`` (with the built-in launch) brings all workers back after a worker dies,
-each resuming from the newest complete checkpoint.
+each resuming from the newest complete checkpoint; the launcher says which worker died how and
+each restart.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -49,16 +55,18 @@ from qwen35_trainer.cli_common import (
     EXIT_PREEMPTED,
     add_recipe_arguments,
 )
+from qwen35_trainer.cli_info import VersionAction, run_recipe, show_main
 from qwen35_trainer.recipe import (
     builtin_recipes,
     load_recipe,
 )
+from qwen35_trainer.supervise.console import Console, quiet_cpu_notices
+from qwen35_trainer.supervise.launch import Watched, launch, worker_exit
+from qwen35_trainer.supervise.preemption import Preempted, catch_stop_signals
 from qwen35_trainer.train import train
-from qwen35_trainer.train.console import Console, quiet_cpu_notices
 from qwen35_trainer.train.export import check_export_dir
-from qwen35_trainer.train.launch import default_output_dir, launch, worker_exit
 from qwen35_trainer.train.loop import check_run
-from qwen35_trainer.train.preemption import Preempted
+from qwen35_trainer.train.resume import newest_checkpoint
 
 __all__ = [
     "EXIT_BAD_RECIPE",
@@ -80,11 +88,13 @@ def _parser() -> argparse.ArgumentParser:
         "RECIPE (write the demo dataset; read a recipe's dataset and report it); qwen35-train "
         "checkpoint verify DIR (each checkpoint intact, damaged or incomplete; exit 3 unless all "
         "are intact); qwen35-train replay RECIPE CHECKPOINT --step N (recompute one step: "
-        "per-layer gradient norms, its documents). Outputs: runs/<recipe>-<time>/ "
+        "per-layer gradient norms, its documents); qwen35-train show RECIPE (the resolved "
+        "recipe, as the run folder's recipe.yaml). Outputs: runs/<recipe>-<time>/ "
         "(recipe.yaml, metrics.jsonl, tensorboard/, loss.png, logs/). Built-in recipes: "
         + ", ".join(builtin_recipes()),
     )
     add_recipe_arguments(parser)
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument(
         "--nproc", type=int, help="local workers to start (default: what the recipe needs)"
     )
@@ -100,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command; a worker of a multi-rank run leaves through :func:`~qwen35_trainer.train.launch.worker_exit`
+    """The command; a worker of a multi-rank run leaves through :func:`~qwen35_trainer.supervise.launch.worker_exit`
     (only a member of a multi-rank group: a process holding a one-rank group, as one process's
     training leaves it, gets the code back, even with ``WORLD_SIZE`` set)."""
     quiet_cpu_notices()
@@ -283,6 +293,7 @@ SUBCOMMANDS = {
     "data": _data_main,
     "checkpoint": _checkpoint_main,
     "replay": _replay_main,
+    "show": show_main,
 }
 
 
@@ -298,13 +309,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"qwen35-train: {message}", file=sys.stderr, flush=True)
 
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        extra = []
-        if args.nproc is not None:
-            extra.append(f"parallel.dp={recipe.parallel.filling(args.nproc, '--nproc').dp}")
-        if recipe.train.output_dir is None:
-            extra.append(f"train.output_dir={default_output_dir(args.recipe)}")
-        recipe = load_recipe(args.recipe, [*args.overrides, *extra])
+        recipe, extra = run_recipe(args.recipe, args.overrides, args.nproc)
     except (OSError, ValueError) as err:
         say(f"bad recipe: {err}")
         return EXIT_BAD_RECIPE
@@ -318,7 +323,14 @@ def _main(argv: list[str] | None) -> int:
             return EXIT_BAD_RECIPE
         sets = [a for item in [*args.overrides, *extra] for a in ("--set", item)]
         say(f"starting {recipe.parallel.world} local workers: {_world_product(recipe.parallel)}")
-        return launch([args.recipe, *sets], recipe.parallel.world, args.max_restarts)
+        training = recipe.train
+        watched = Watched(
+            training.output_dir,
+            functools.partial(newest_checkpoint, training.checkpoint_root),
+            training.stop_timeout,
+        )
+        return launch([args.recipe, *sets], recipe.parallel.world, args.max_restarts, watched)
+    catch_stop_signals()  # a worker: a stop signal from now on is kept for the run
     if printing:
         logging.basicConfig(level=logging.INFO, format="qwen35-train: %(message)s")
     console = Console(recipe.train.steps, recipe.train.log_every, printing)

@@ -7,6 +7,7 @@ __all__ = [
     "EXIT_BAD_RECIPE",
     "EXIT_BAD_ROWS",
     "EXIT_DOES_NOT_FIT",
+    "EXIT_HUNG",
     "EXIT_INTERNAL",
     "EXIT_NON_FINITE",
     "EXIT_NOT_INTACT",
@@ -21,6 +22,7 @@ EXIT_NOT_INTACT = 3  # a finding: checkpoint not intact, bad data rows, a plan t
 EXIT_BAD_ROWS = EXIT_DOES_NOT_FIT = EXIT_NOT_INTACT
 EXIT_INTERNAL = 4  # an unexpected internal error (with its traceback)
 EXIT_PREEMPTED = 5  # stopped by SIGTERM / SIGUSR1 after a step and a checkpoint
+EXIT_HUNG = 6  # a rank made no progress for train.hang_timeout (stacks in <output_dir>/hang/)
 
 
 def add_recipe_arguments(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -80,3 +81,22 @@ def test_named_checks_carry_arguments():
     report = run_checks(checks, 2, timeout=60)
     assert report.assert_passed("reduce_x1") == [2.0, 2.0]
     assert report.assert_passed("reduce_x3") == [6.0, 6.0]
+
+
+def check_slow_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(0.5)  # the time being measured
+    dist.barrier()
+
+
+def test_each_check_is_timed_by_its_slowest_rank(tmp_path, monkeypatch):
+    """``CheckReport.seconds``: per passed check, the slowest rank's time from the end of the
+    check before; ``DIST_TESTKIT_TIMINGS`` gets one JSON line per check."""
+    timings = tmp_path / "timings.jsonl"
+    monkeypatch.setenv("DIST_TESTKIT_TIMINGS", str(timings))
+    report = run_checks([check_reduce, check_slow_on_rank_one, check_agreed_failure], 2, timeout=60)
+    assert report.seconds["check_slow_on_rank_one"] >= 0.5
+    assert report.seconds["check_reduce"] < 0.5
+    assert "check_agreed_failure" not in report.seconds
+    lines = [json.loads(line) for line in timings.read_text().splitlines()]
+    assert lines == [{"world": 2, "check": k, "seconds": v} for k, v in report.seconds.items()]

@@ -70,7 +70,7 @@ def check_dataset(recipe: Any, config: Any, limit: int | None = None) -> DataRep
     if not data.path:
         raise ValueError("data check needs data.path (a data.source iterable is the user's code)")
     path = resolve(data.path)
-    total = len(open_rows(path, data.split))
+    total = len(open_rows(path, data.split, data.subset_of(False)))
     count = total if limit is None else min(limit, total)
     checked = dataclasses.replace(recipe, data=dataclasses.replace(data, on_bad_row="skip"))
     stream = DataStream(

@@ -7,9 +7,16 @@ Arrow table infers a schema from its first rows and fails (or fills ``None`` for
 never had), so JSON is parsed row by row here:
 
 - ``.jsonl`` (and a ``.json`` file that does not start with ``[``): one JSON object per line,
-  blank lines skipped (and a leading UTF-8 byte-order mark, as Windows editors save it). The lines are read with Hugging Face ``datasets``' ``text`` builder
-  (memory-mapped Arrow, one cached copy shared by every process that reads the file) and each
-  is parsed when it is read. A row is named ``FILE:LINE`` (1-based, as editors count).
+  blank lines skipped (and a leading UTF-8 byte-order mark, as Windows editors save it). The
+  lines are read with Hugging Face ``datasets``' ``text`` builder (memory-mapped Arrow, one
+  cached copy shared by every process that reads the file) and each is parsed when it is read.
+  A row is named ``FILE:LINE`` (1-based, as editors count). A line that is not UTF-8 is one bad
+  row, not a file that cannot be read: the builder decodes with ``errors="replace"``, which
+  turns each invalid byte sequence into U+FFFD and never swallows the ASCII ``\\n`` / ``\\r``
+  that end lines, so the lines and their numbers are the bytes' own. A line holding U+FFFD is
+  then looked up in the file's bytes (:func:`line_starts`, built once, only when such a line
+  is read): invalid there, the row is a ``DataError`` naming the byte and its column; valid
+  (the text holds U+FFFD itself), it is parsed as any row.
 - ``.json`` starting with ``[``: a JSON array of row objects, parsed whole (every reading
   process holds it in memory: prefer JSON Lines for large datasets). A row is ``FILE row I``.
 - ``.parquet``, a ``save_to_disk`` folder or a folder ``datasets`` can load (``data.split``;
@@ -18,8 +25,8 @@ never had), so JSON is parsed row by row here:
   ``Video`` columns give ``{"bytes", "path"}``), so a bad picture is a bad row, not an
   exception inside ``datasets``. A row is ``FILE row I`` (0-based).
 
-Every fault — a missing file, an unknown extension, a file with no rows, invalid JSON (with its
-line and column), a row that is not an object — is a
+Every fault — a missing file, an unknown extension, a file with no rows, invalid JSON or a
+line that is not UTF-8 (with its line and column), a row that is not an object — is a
 :class:`~qwen35_trainer.data.batch.DataError` naming the file and, for a row, the row.
 """
 
@@ -34,10 +41,12 @@ import numpy as np
 
 from qwen35_trainer.data.batch import DataError
 
-__all__ = ["BOM", "RowFile", "arrow_rows", "open_file"]
+__all__ = ["BOM", "RowFile", "arrow_rows", "line_starts", "open_file"]
 
 _SUFFIXES = (".jsonl", ".json", ".parquet")
 BOM = "\ufeff"
+REPLACED = "\ufffd"  # what errors="replace" puts for an invalid byte sequence
+_CHUNK = 1 << 22  # bytes scanned at a time for line ends
 
 
 class RowFile:
@@ -80,7 +89,11 @@ class _JsonLines(RowFile):
         features = datasets.Features({"text": datasets.Value("string")})
         try:
             lines = datasets.load_dataset(
-                "text", data_files=str(path), split="train", features=features
+                "text",
+                data_files=str(path),
+                split="train",
+                features=features,
+                encoding_errors="replace",  # a bad line is a bad row (module docstring)
             )
         except (datasets.exceptions.DatasetGenerationError, ValueError) as error:
             raise DataError(f"data file {path} cannot be read as text lines: {error}") from error
@@ -89,6 +102,7 @@ class _JsonLines(RowFile):
         blank = pc.equal(pc.utf8_trim_whitespace(column), "")
         # row i is line _line[i] (0-based): the lines that hold something
         self._line = np.flatnonzero(~blank.to_numpy(zero_copy_only=False))
+        self._starts: np.ndarray | None = None  # line_starts(path), when first needed
 
     def __len__(self) -> int:
         return len(self._line)
@@ -100,12 +114,51 @@ class _JsonLines(RowFile):
         text = self._lines[int(self._line[i])]["text"]
         if i == 0:
             text = text.removeprefix(BOM)  # a file saved "with BOM" (Windows editors)
+        if REPLACED in text:
+            self._check_utf8(i)
         try:
             return json.loads(text)
         except json.JSONDecodeError as error:
             raise DataError(
                 f"{self.name(i)}: invalid JSON ({error.msg} at column {error.colno})"
             ) from error
+
+    def _check_utf8(self, i: int) -> None:
+        """``DataError`` naming the first byte of row ``i``'s line that is not UTF-8, if any."""
+        if self._starts is None:
+            self._starts = line_starts(self.path)
+        k = int(self._line[i])
+        stop = int(self._starts[k + 1]) if k + 1 < len(self._starts) else None
+        with open(self.path, "rb") as file:
+            file.seek(int(self._starts[k]))
+            raw = file.read(-1 if stop is None else stop - int(self._starts[k]))
+        if k == 0:
+            raw = raw.removeprefix(BOM.encode())
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            column = len(raw[: error.start].decode("utf-8")) + 1  # valid up to the bad byte
+            raise DataError(
+                f"{self.name(i)}: not UTF-8: byte 0x{raw[error.start]:02x} at column {column} "
+                "(save the file as UTF-8)"
+            ) from None
+
+
+def line_starts(path: Path) -> np.ndarray:
+    """The byte offset at which each line of ``path`` starts, lines ended as Python's text
+    mode (and so ``datasets``' ``text`` builder) ends them: ``\\n``, ``\\r\\n`` or a lone
+    ``\\r``. Scanned in chunks of a few MiB through a memory map (one int64 per line held)."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    n, starts = len(data), [np.zeros(1, dtype=np.int64)]
+    for lo in range(0, n, _CHUNK):
+        hi = min(lo + _CHUNK, n)
+        body = np.asarray(data[lo:hi])
+        after = np.asarray(data[lo + 1 : hi + 1])  # the byte after each (a \r's \n)
+        if hi == n:
+            after = np.append(after, np.uint8(0))
+        ends = (body == 0x0A) | ((body == 0x0D) & (after != 0x0A))
+        starts.append(np.flatnonzero(ends).astype(np.int64) + lo + 1)
+    return np.concatenate(starts)
 
 
 class _JsonArray(RowFile):
@@ -170,16 +223,18 @@ def _first_byte(path: Path) -> bytes:
     return b""
 
 
-def arrow_rows(path: Path, base: Path, table: Any = None, *, split: str = "train") -> RowFile:
+def arrow_rows(
+    path: Path, base: Path, table: Any = None, *, split: str = "train", subset: str | None = None
+) -> RowFile:
     """The rows of an Arrow ``table`` (a ``datasets.Dataset``), or of what ``datasets`` loads
-    from ``path`` — a Parquet file, or a folder (its ``split``); media paths relative to
-    ``base``."""
+    from ``path`` — a Parquet file, or a folder (its ``subset`` and ``split``); media paths
+    relative to ``base``."""
     import datasets
 
     if table is None:
         try:
             if path.is_dir():
-                table = datasets.load_dataset(str(path), split=split)
+                table = datasets.load_dataset(str(path), name=subset, split=split)
             else:
                 table = datasets.load_dataset("parquet", data_files=str(path), split="train")
         except (datasets.exceptions.DatasetGenerationError, ValueError) as error:

@@ -160,6 +160,7 @@ class DataStream:
             "path": resolve(data.eval_path if eval else data.path),
             "source": None if eval else data.source,
             "split": data.eval_split if eval else data.split,
+            "subset": data.subset_of(eval),
             "shuffle": data.shuffle and not eval,
             "seed": data.seed,
             "limit": limit,

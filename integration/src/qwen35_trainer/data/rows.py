@@ -12,6 +12,12 @@
   every file is the ``train`` split;
 - anything else ``datasets`` loads (Parquet files, a Hub dataset's folder): as it loads it.
 
+A folder whose ``README.md`` defines ``configs`` (a Hub dataset repository, or its snapshot:
+:mod:`qwen35_trainer.recipe.hub`), or any folder read with ``data.subset``, holds the files
+``datasets`` gives that subset (its config ``name``; ``None``: the default one) and split
+(``datasets.load_dataset_builder``): JSON ones read file by file as above, others by
+``datasets.load_dataset(folder, name=subset, split=split)``.
+
 A JSON folder is never handed to ``datasets``' folder loader: it infers one schema from the
 first rows, so a later row without the first row's ``tools`` failed with a ``KeyError`` there.
 """
@@ -114,27 +120,63 @@ def _from_disk(folder: Path, split: str) -> Any:
     return loaded
 
 
-def open_folder(folder: Path, split: str) -> RowFile:
-    """The rows of a dataset folder (module docstring)."""
+def _configured(folder: Path) -> bool:
+    """Whether the folder's ``README.md`` defines ``configs`` (its files per subset)."""
+    from huggingface_hub import DatasetCard
+
+    readme = folder / "README.md"
+    return readme.is_file() and bool(DatasetCard.load(readme).data.get("configs"))
+
+
+def _subset_files(folder: Path, split: str, subset: str | None) -> list[Path]:
+    """The files ``datasets`` reads for ``subset`` and ``split`` of the folder."""
+    import datasets
+
+    try:
+        files = datasets.load_dataset_builder(str(folder), name=subset).config.data_files
+    except (FileNotFoundError, ValueError) as error:
+        raise DataError(f"data folder {folder} (data.subset={subset!r}): {error}") from error
+    if split not in (files or {}):
+        raise DataError(
+            f"data folder {folder} (data.subset={subset!r}) has no split {split!r} (data.split); "
+            f"it has {sorted(files or {})}"
+        )
+    return [Path(f) for f in files[split]]
+
+
+def open_folder(folder: Path, split: str, subset: str | None = None) -> RowFile:
+    """The rows of a dataset folder (module docstring), of ``subset`` when given."""
     if (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file():
+        if subset is not None:
+            raise DataError(
+                f"data folder {folder} is a save_to_disk dataset: it has no subsets "
+                f"(data.subset={subset!r})"
+            )
         return arrow_rows(folder, folder, _from_disk(folder, split))
+    if subset is not None or _configured(folder):
+        files = _subset_files(folder, split, subset)
+        if files and all(f.suffix in (".jsonl", ".json") for f in files):
+            return _Files(folder, [open_file(f) for f in files])
+        return arrow_rows(folder, folder, None, split=split, subset=subset)
     files = _json_files(folder, split)
     if files:
         return _Files(folder, [open_file(f) for f in files])
     return arrow_rows(folder, folder, None, split=split)
 
 
-def open_rows(path: str, split: str = "train") -> RowFile:
+def open_rows(path: str, split: str = "train", subset: str | None = None) -> RowFile:
     """The rows of a JSONL / JSON / Parquet file (:mod:`qwen35_trainer.data.files`) or a folder
-    (module docstring; its ``split``); ``DataError`` when it is missing, unreadable or has no
-    rows."""
+    (module docstring; its ``split`` and ``subset``); ``DataError`` when it is missing,
+    unreadable or has no rows."""
     import datasets
 
     datasets.disable_progress_bars()
     file = Path(path)
     if not file.exists():
         raise DataError(f"data file {path} does not exist")
-    rows = open_folder(file, split) if file.is_dir() else open_file(file)
+    if subset is not None and not file.is_dir():
+        raise DataError(f"data file {path}: data.subset={subset!r} names a subset of a folder")
+    rows = open_folder(file, split, subset) if file.is_dir() else open_file(file)
     if len(rows) == 0:
         raise DataError(f"data file {path} has no rows")
     return rows

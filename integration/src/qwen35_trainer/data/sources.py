@@ -77,7 +77,7 @@ class RankDocuments(IterableDataset):
 
     def _from_file(self, mine: Iterator[tuple[int, int, int]]):
         reading = self.reading
-        rows = open_rows(reading["path"], reading.get("split", "train"))
+        rows = open_rows(reading["path"], reading.get("split", "train"), reading.get("subset"))
         n = len(rows)
         epoch, order = -1, range(n)
         for shard, j, position in mine:

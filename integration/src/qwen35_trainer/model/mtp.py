@@ -167,7 +167,7 @@ def mtp_shares(
 ) -> MtpShares:
     """Every depth's share on this rank's tokens of one packed row (module docstring).
     ``head``: the LM head's ``weight`` and ``bias`` (``lm_head``, or the objective's
-    :class:`~qwen35_trainer.model.objective.HeadWeights`); ``hidden_BTH``: the main model's final hidden states of this rank's tokens; ``embeds_BSH``
+    :class:`~qwen35_trainer.model.loss.HeadWeights`); ``hidden_BTH``: the main model's final hidden states of this rank's tokens; ``embeds_BSH``
     / ``labels_BS``: the whole row's input embeddings and labels (not shifted); ``packed``: its
     :class:`~qwen35_trainer.data.packing.PackedInputs`; ``counts``: each depth's global valid
     targets (``None``: counted here, summed over ``loss_group``, every rank holding other

@@ -1,19 +1,10 @@
-"""The training objective: next-token cross-entropy plus the router load-balancing loss.
+"""The training objective of every layout without pipeline stages: the model's forward and the
+loss (:mod:`qwen35_trainer.model.loss`, the one description of the loss and of how it is
+normalised across layouts), as this rank's SHARES.
 
-Both are returned as this rank's SHARE of the global-batch loss, so that the shares summed over
-the ranks holding different tokens are exactly the loss of one process on the whole global
-batch, and so are their gradients (every gradient reduction is a SUM,
-:mod:`qwen35_trainer.parallel.apply`):
-
-- cross-entropy: the sum over this rank's valid (shifted) labels divided by the number of
-  valid labels in the GLOBAL batch — of every micro-batch of the step, so that accumulating
-  micro-batches adds shares of one loss — computed by :func:`chunked_loss.linear_cross_entropy`
-  from the final hidden states and ``lm_head`` without [tokens, vocab] logits;
-- aux loss: transformers' ``load_balancing_loss_func`` over every MoE layer's router logits of
-  the non-padding tokens (layers concatenated, as transformers does), as this rank's share
-  (:func:`moe_parallel.load_balancing_loss` with the loss group). It is a product of two batch
-  means, not a sum over tokens, so under accumulation it is per micro-batch (as transformers
-  computes it per forward call).
+The aux loss here is transformers' ``load_balancing_loss_func`` over every MoE layer's router
+logits of the non-padding tokens (layers concatenated, as transformers does), as this rank's
+share (:func:`moe_parallel.load_balancing_loss` with the loss group).
 
 Ranks whose rows hold no image run the vision tower on a dummy frame (before the decoder, where
 the other ranks run it) and add 0 × its output, so FSDP's all-gathers and reduce-scatters of the
@@ -32,13 +23,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from chunked_loss import global_num_valid_tokens, linear_cross_entropy
+from chunked_loss import global_num_valid_tokens
 from moe_parallel import MoE, load_balancing_loss
 from qwen35_trainer.data import IGNORE_INDEX, Batch
 from qwen35_trainer.data.packing import PackedInputs
-from qwen35_trainer.model.accuracy import ACCURACY_CHUNK, count_correct
 from qwen35_trainer.model.build import moe_blocks
-from qwen35_trainer.model.mtp import mtp_shares
+from qwen35_trainer.model.loss import head_losses
 from qwen35_trainer.model.packed import dummy_vision, packed_hidden_states
 from qwen35_trainer.parallel.sequence_parallel import SequenceParallelGrads
 
@@ -46,7 +36,6 @@ __all__ = [
     "LossShares",
     "RouterLogits",
     "TrainingObjective",
-    "head_weights",
     "shifted_labels",
     "valued_as_summed",
 ]
@@ -54,7 +43,7 @@ __all__ = [
 
 class LossShares(NamedTuple):
     """This rank's shares (fp32): the step's loss is ``ce + aux_coef * aux + mtp_weight *
-    mean(mtp)`` summed over ranks (:func:`qwen35_trainer.train.step.total_loss`; ``mtp``: each
+    mean(mtp)`` summed over ranks (:func:`qwen35_trainer.model.loss.total_loss`; ``mtp``: each
     depth's MTP cross-entropy share, [D]; ``None`` without the head).
 
     A tuple, so that a sharding backend's hooks on the objective's output find its tensors:
@@ -188,50 +177,32 @@ class TrainingObjective(nn.Module):
             hidden_BSH, labels_BS, tokens_BS, embeds_BSH = packed_hidden_states(vlm, batch, packed)
         if num_valid_tokens is None:
             num_valid_tokens = count_valid_labels(labels_BS, group)
-        head = head_weights(self.model.lm_head, hidden_BSH.dtype)
-        ce = linear_cross_entropy(
+        mtp = None
+        if self.mtp_depth:
+            counts = num_valid_mtp or (None,) * self.mtp_depth
+            mtp = (
+                self.model.mtp,
+                vlm.language_model,
+                (embeds_BSH, batch.labels, packed, counts, group),
+            )
+        ce, correct, mtp_out = head_losses(
+            self.model.lm_head,
             hidden_BSH,
-            head.weight,
             labels_BS,
-            bias=head.bias,
-            ignore_index=IGNORE_INDEX,
+            num_valid=num_valid_tokens,
             chunk_size=self.loss_chunk_size,
-            num_valid_tokens=num_valid_tokens,
+            accuracy=accuracy,
+            mtp=mtp,
         )
         if dummy is not None:
             ce = ce + 0.0 * dummy.sum().float()
-        aux = self.router.aux_share(tokens_BS.reshape(-1).bool(), group)
-        correct = None
-        if accuracy:
-            correct = count_correct(
-                hidden_BSH,
-                head.weight,
-                head.bias,
-                labels_BS,
-                self.loss_chunk_size or ACCURACY_CHUNK,
-            )
-        mtp = None
-        if self.mtp_depth:
-            mtp = mtp_shares(
-                self.model.mtp,
-                vlm.language_model,
-                head,
-                hidden_BSH,
-                embeds_BSH,
-                batch.labels,
-                packed,
-                num_valid_mtp or (None,) * self.mtp_depth,
-                loss_group=group,
-                chunk_size=self.loss_chunk_size,
-                accuracy_chunk=(self.loss_chunk_size or ACCURACY_CHUNK) if accuracy else None,
-            )
         return LossShares(
             ce=ce,
-            aux=aux,
+            aux=self.router.aux_share(tokens_BS.reshape(-1).bool(), group),
             tokens=num_valid_tokens,
             correct=correct,
-            mtp=None if mtp is None else mtp.ce,
-            mtp_correct=None if mtp is None else mtp.correct,
+            mtp=None if mtp_out is None else mtp_out.ce,
+            mtp_correct=None if mtp_out is None else mtp_out.correct,
         )
 
 
@@ -242,24 +213,6 @@ def valued_as_summed(local: torch.Tensor, group: Any) -> torch.Tensor:
     whole = local.detach().clone()
     torch.distributed.all_reduce(whole, group=group)
     return local + (whole - local.detach())
-
-
-class HeadWeights(NamedTuple):
-    """``lm_head``'s weight and bias as the loss reads them."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-
-
-def head_weights(lm_head: torch.nn.Linear, dtype: torch.dtype) -> HeadWeights:
-    """``lm_head``'s weight and bias in the compute ``dtype``. The loss reads them outside the
-    head's forward, so no FSDP unit of its own could cast them: under FSDP the root unit does
-    (and this changes nothing); one LoRA process training ``lm_head`` in full (no FSDP) casts
-    them here, differentiably."""
-    weight, bias = lm_head.weight, lm_head.bias
-    if weight.dtype == dtype:
-        return HeadWeights(weight, bias)
-    return HeadWeights(weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
 def count_valid_labels(labels: torch.Tensor, group: Any = None) -> int:

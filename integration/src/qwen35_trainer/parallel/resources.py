@@ -12,15 +12,17 @@ reference (:func:`fsdp_compat.release` detaches both).
 A run opens a :class:`RunResources` before it makes any group (:func:`open_run`) and releases
 it when it ends: at once when it fails; on success when its result is closed
 (:meth:`qwen35_trainer.train.TrainResult.close`, or ``with train(recipe) as result:``), its
-model's DTensors being usable until then; at the latest when the next run in the process
-opens (a run left open by a caller who never closed it is released then, its model no longer
-usable). Every rank of a launch opens and releases the same runs in the same order, and
-destroys the same groups, newest first.
+model's DTensors being usable until then; or, when the caller has dropped the result without
+closing it, when the next run in the process opens. A result the caller still holds keeps its
+run (two results compared after both runs stay usable). Every rank of a launch opens and
+releases the same runs in the same order (a result is dropped at the same point of the same
+program on every rank), and destroys the same groups, newest first.
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -50,6 +52,7 @@ class RunResources:
         self.models: list[nn.Module] = []
         self.forget: list[Callable[[], None]] = []
         self.released = False
+        self.result: weakref.ref | None = None  # the run's result, once it has one
 
     def hold(self, model: nn.Module, forget: Callable[[], None] | None = None) -> None:
         """Release ``model`` (:func:`fsdp_compat.release`) with the run, calling ``forget``
@@ -82,8 +85,10 @@ class RunResources:
 
 
 def open_run() -> RunResources:
-    """A new run's resources, after releasing every earlier run still open in this process."""
+    """A new run's resources, after releasing every earlier run of this process whose result
+    is gone (dropped without being closed) or that never had one."""
     for earlier in list(_open):
-        earlier.release()
+        if earlier.result is None or earlier.result() is None:
+            earlier.release()
     _open.append(RunResources())
     return _open[-1]

@@ -96,7 +96,7 @@ def plan_main(argv: list[str]) -> int:
     from qwen35_trainer.plan.timing import Efficiency, step_time
 
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides, hub_weights=False)
         headroom = Headroom.parse(args.headroom)
         gpu = hardware(args.gpu, args.gpu_set)
         efficiency = Efficiency.parse(args.efficiency)
@@ -154,7 +154,7 @@ def _search(recipe, args, headroom, gpu, efficiency, memory) -> int:
     world = args.world_size or recipe.parallel.world
     found = search(
         recipe,
-        lambda sets: load_recipe(args.recipe, [*args.overrides, *sets]),
+        lambda sets: load_recipe(args.recipe, [*args.overrides, *sets], hub_weights=False),
         world=world,
         node_gpus=args.node_gpus,
         gpu_memory_gib=memory,

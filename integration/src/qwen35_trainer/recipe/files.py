@@ -1,7 +1,9 @@
 """Recipe files: YAML read into the schema (:mod:`.schema`), with ``base:`` derivation, ``--set``
 overrides, YAML 1.1 number strings read as numbers, the built-in recipes by name, the input
-paths made absolute (:data:`INPUT_PATHS`: relative to the recipe file that states them), and
-``model.path``'s ``config.json`` applied (:mod:`.model_path`)."""
+paths made absolute (:data:`INPUT_PATHS`: relative to the recipe file that states them; a
+Hugging Face Hub id with no local path of its name kept as written), the Hub ids resolved to
+their snapshots (:mod:`.hub`), and ``model.path``'s ``config.json`` applied
+(:mod:`.model_path`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from qwen35_trainer.recipe.hub import hub_shaped, with_hub_snapshots
 from qwen35_trainer.recipe.model_path import with_checkpoint_config
 from qwen35_trainer.recipe.schema import Recipe
 
@@ -45,8 +48,9 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 
 def _anchored(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     """``data`` with the relative paths it reads from (:data:`INPUT_PATHS`) made absolute
-    against ``folder`` (``~`` expanded; ``builtin:`` paths and absolute ones unchanged); the
-    base checkpoint as written is kept as ``model.base_as_written``."""
+    against ``folder`` (``~`` expanded; ``builtin:`` paths and absolute ones unchanged, and a
+    Hub id, ``org/name``, when ``folder`` holds nothing of that name); the base checkpoint as
+    written is kept as ``model.base_as_written``."""
     for section, keys in INPUT_PATHS.items():
         for dotted in keys:
             *parents, key = dotted.split(".")
@@ -57,7 +61,9 @@ def _anchored(data: dict[str, Any], folder: Path) -> dict[str, Any]:
                 continue
             value = values.get(key)
             if isinstance(value, str) and value and not value.startswith("builtin:"):
-                values[key] = os.path.normpath(folder / Path(value).expanduser())
+                local = os.path.normpath(folder / Path(value).expanduser())
+                if not hub_shaped(value) or os.path.exists(local):  # a local path wins
+                    values[key] = local
                 if section == "model" and dotted in ("path", "weights"):
                     values.setdefault("base_as_written", value)  # what an adapter export names
     return data
@@ -169,14 +175,15 @@ def _section(name: str, cls: type, values: Any) -> Any:
         raise ValueError(f"recipe section {name!r}: {err}") from err
 
 
-def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
-    """A :class:`Recipe` from a mapping of sections (what a YAML recipe holds)."""
+def recipe_from_dict(data: Mapping[str, Any], *, hub_weights: bool = True) -> Recipe:
+    """A :class:`Recipe` from a mapping of sections (what a YAML recipe holds); its Hub ids
+    resolved to snapshots (:mod:`.hub`; ``hub_weights``: with a model's safetensors)."""
     unknown = sorted(set(data) - set(_SECTIONS))
     if unknown:
         raise ValueError(f"unknown recipe section(s) {unknown}; known: {sorted(_SECTIONS)}")
     if "model" not in data:
         raise ValueError("a recipe needs a 'model' section")
-    data = with_checkpoint_config(dict(data))
+    data = with_checkpoint_config(with_hub_snapshots(dict(data), weights=hub_weights))
     hints = typing.get_type_hints(Recipe)
     return Recipe(**{name: _section(name, hints[name], data[name]) for name in data})
 
@@ -218,10 +225,13 @@ def recipe_path(name_or_path: str | Path) -> Path:
     )
 
 
-def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
+def load_recipe(
+    path: str | Path, overrides: Iterable[str] = (), *, hub_weights: bool = True
+) -> Recipe:
     """Read a YAML recipe (a path, or a built-in recipe's name; following ``base``), apply
-    ``section.key=value`` overrides."""
+    ``section.key=value`` overrides; ``hub_weights=False`` leaves a Hub model's safetensors
+    unfetched (the planner reads ``config.json`` only)."""
     data = _read(recipe_path(path))
     for item in overrides:
         data = _override(data, item)
-    return recipe_from_dict(data)
+    return recipe_from_dict(data, hub_weights=hub_weights)

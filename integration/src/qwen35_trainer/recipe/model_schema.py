@@ -150,6 +150,10 @@ class ModelRecipe:
     (:mod:`qwen35_trainer.recipe.model_path`); ``override``: deliberate changes to ``config.json``
     (``text`` / ``vision`` mappings, token ids). ``weights``: without ``path``, a transformers
     checkpoint directory to start from whose config the recipe states (same architecture).
+    ``path`` may name a Hugging Face Hub model repository (``org/name``) read at ``revision``
+    (a branch, tag or commit; ``None``: ``main``) when no local path of that name exists: it
+    resolves to its snapshot in the Hub cache when the recipe is built, and ``from_hub``
+    records ``{path: org/name@revision}`` (:mod:`qwen35_trainer.recipe.hub`).
 
     ``mtp_layers``: depth of the multi-token-prediction head (``mtp.*``, :mod:`qwen35_trainer.
     model.mtp`); ``None`` takes ``text.mtp_num_hidden_layers`` (1 in the public checkpoints, 0
@@ -190,6 +194,8 @@ class ModelRecipe:
     gdn_backend: str = "auto"
     weights: str | None = None
     path: str | None = None
+    revision: str | None = None
+    from_hub: dict[str, str] = dataclasses.field(default_factory=dict)
     override: dict[str, Any] = dataclasses.field(default_factory=dict)
     mtp_layers: int | None = None
     init_missing_mtp: bool = False

@@ -1,154 +1,26 @@
-"""The recipe's schema: four frozen dataclasses, one per section (``model``, ``data``,
-``train``, ``parallel``), each checking its own values (every bad value of a section reported in
-one ``ValueError``), and the derivations that belong to a section (``DataRecipe.rows_per_step``,
-``ParallelRecipe.world`` / ``filling``)."""
+"""The recipe's schema: four frozen dataclasses, one per section (``model``:
+:mod:`.model_schema`, ``data``: :mod:`.data_schema`, ``train`` and ``parallel`` here), each
+checking its own values (every bad value of a section reported in one ``ValueError``), and the
+derivations that belong to a section (``TrainRecipe.checkpoint_root``, ``ParallelRecipe.world``
+/ ``filling``)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import os
 
+from qwen35_trainer.recipe.data_schema import DataRecipe
 from qwen35_trainer.recipe.model_schema import LoRARecipe, ModelRecipe
 from qwen35_trainer.recipe.rules import refuse
 
 __all__ = ["DataRecipe", "LoRARecipe", "ModelRecipe", "ParallelRecipe", "Recipe", "TrainRecipe"]
 
 
-@dataclasses.dataclass(frozen=True)
-class DataRecipe:
-    """What the model trains on: a conversation dataset (``path`` or ``source``) or, without
-    one, the seeded synthetic stream.
-
-    Dataset (:mod:`qwen35_trainer.data.loader`): ``path`` a JSONL / Parquet file of
-    ``messages`` rows (or a folder ``datasets`` loads, with ``split``), or ``source`` a
-    ``"package.module:callable"`` returning an iterable of such rows (imported and called: a
-    recipe that names one runs that code); ``processor`` the
-    transformers processor directory (``builtin:demo/...`` paths name the demo dataset,
-    :mod:`qwen35_trainer.data.demo`, written on first use); ``eval_path`` / ``eval_split`` the
-    held-out rows; ``train_on`` ``assistant`` (every assistant turn as the full rendering
-    shows it), ``last_assistant`` (the turns after the last user query) or ``all`` (every text
-    token); ``chat_template_kwargs`` reach the chat template (e.g. ``enable_thinking: false``,
-    Qwen3.6's ``preserve_thinking: true``); ``global_batch`` packed rows of
-    ``pack_length`` tokens per step (``None``: one per data-parallel rank); ``over_capacity``
-    ``truncate`` or ``drop``; ``on_bad_row`` ``raise`` or ``skip``; ``workers`` / ``prefetch``
-    loader processes and documents each reads ahead; ``shuffle`` each epoch (seeded by
-    ``seed``); ``video_fps`` / ``max_frames`` override the processor's frame sampling;
-    ``frames_fps`` the rate of videos given as frame lists without their own ``fps``.
-
-    Synthetic: text tokens around ``images_per_sample`` images whose patch grids [t, h, w] are
-    drawn from ``image_grids``; ``samples_per_rank`` per rank and step, as right-padded rows,
-    or with ``packing`` as ONE row of concatenated documents kept apart in every layer
-    (:mod:`qwen35_trainer.data.packing`). ``packing`` unset (``null``): true with a dataset
-    (whose rows are always packed), false for the synthetic stream. ``text_only``: ``[period, count]`` — the last
-    ``count`` of every ``period`` samples carry no image (text-only rows). ``pack_length``: the
-    capacity of a packed row in tokens (the planner's sequence length; a longer synthetic row
-    is refused); ``None``: as long as its documents."""
-
-    samples_per_rank: int = 2
-    packing: bool | None = None
-    text_tokens: tuple[int, int] = (8, 24)
-    image_grids: tuple[tuple[int, int, int], ...] = ((1, 4, 4),)
-    images_per_sample: int = 1
-    text_only: tuple[int, int] | None = None
-    seed: int = 0
-    pack_length: int | None = None
-    path: str | None = None
-    split: str = "train"
-    source: str | None = None
-    processor: str | None = None
-    eval_path: str | None = None
-    eval_split: str = "train"
-    train_on: str = "assistant"
-    global_batch: int | None = None
-    over_capacity: str = "truncate"
-    on_bad_row: str = "raise"
-    workers: int = 0
-    prefetch: int = 2
-    shuffle: bool = True
-    video_fps: float | None = None
-    max_frames: int | None = None
-    frames_fps: float = 2.0
-    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def dataset(self) -> bool:
-        """Whether the run reads a conversation dataset (else the synthetic stream)."""
-        return bool(self.path or self.source)
-
-    def rows_per_step(self, dp: int) -> int:
-        """Packed rows per step over all ranks (``global_batch``, a multiple of ``dp``)."""
-        rows = dp if self.global_batch is None else self.global_batch
-        if rows % dp:
-            raise ValueError(
-                f"data.global_batch={rows} must be a multiple of the {dp} "
-                "data-parallel ranks (each takes the same number of rows)"
-            )
-        return rows
-
-    def __post_init__(self) -> None:
-        lo, hi = self.text_tokens
-        dataset = self.dataset
-        if self.packing is None:  # a dataset's rows are packed; synthetic ones right-padded
-            object.__setattr__(self, "packing", dataset)
-        refuse(
-            "data",
-            {
-                "samples_per_rank": (self.samples_per_rank >= 1, ">= 1"),
-                "text_tokens": (1 <= lo <= hi, "[lo, hi] with 1 <= lo <= hi"),
-                "images_per_sample": (self.images_per_sample >= 0, ">= 0"),
-                "image_grids": (
-                    bool(self.image_grids) and all(min(g) >= 1 for g in self.image_grids),
-                    "a non-empty list of [t, h, w] with every entry >= 1",
-                ),
-                "pack_length": (
-                    (self.pack_length is None and not dataset)
-                    or (
-                        self.pack_length is not None
-                        and self.pack_length >= 8
-                        and (not dataset or self.pack_length % 8 == 0)
-                    ),
-                    "a multiple of 8 tokens (>= 8) with a dataset, else >= 8 or null",
-                ),
-                "text_only": (
-                    self.text_only is None
-                    or (0 <= self.text_only[1] <= self.text_only[0] and self.text_only[0] >= 1),
-                    "[period, count] with 0 <= count <= period, or null",
-                ),
-                "source": (
-                    not (self.path and self.source),
-                    "null when data.path is set (one of them)",
-                ),
-                "processor": (
-                    bool(self.processor) or not dataset,
-                    "a processor directory when data.path or data.source is set",
-                ),
-                "packing": (self.packing or not dataset, "true with a dataset (rows are packed)"),
-                "train_on": (self.train_on in TRAIN_ON, f"one of {TRAIN_ON}"),
-                "global_batch": (
-                    self.global_batch is None or self.global_batch >= 1,
-                    ">= 1 or null",
-                ),
-                "over_capacity": (self.over_capacity in OVER_CAPACITY, f"one of {OVER_CAPACITY}"),
-                "on_bad_row": (self.on_bad_row in ON_BAD_ROW, f"one of {ON_BAD_ROW}"),
-                "workers": (self.workers >= 0, ">= 0"),
-                "prefetch": (self.prefetch >= 1, ">= 1"),
-                "video_fps": (self.video_fps is None or self.video_fps > 0, "> 0 or null"),
-                "max_frames": (self.max_frames is None or self.max_frames >= 1, ">= 1 or null"),
-                "frames_fps": (self.frames_fps > 0, "> 0"),
-            },
-            self,
-        )
-
-
-TRAIN_ON = ("assistant", "last_assistant", "all")
-OVER_CAPACITY = ("truncate", "drop")
-ON_BAD_ROW = ("raise", "skip")
-
-
 DTYPES = ("float32", "bfloat16")
 EXPORT_FORMATS = (None, "peft", "per_expert", "merged")
 ON_NONFINITE = ("stop", "skip")
 SCHEDULES = ("constant", "linear", "cosine")
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,10 +59,18 @@ class TrainRecipe:
     AsyncCheckpointer`). ``prewarm``: before the first step, initialise cuBLAS, the communicators of every mesh and
     fla's kernels (:func:`setup_prewarm.prewarm`, best-effort; its report is logged).
     ``output_dir``: the run folder (resolved recipe, ``metrics.jsonl``, TensorBoard events,
-    ``loss.png``, per-rank logs; :mod:`qwen35_trainer.train.run_folder`); ``None`` writes none.
+    ``loss.png``, per-rank logs; :mod:`qwen35_trainer.supervise.run_folder`); ``None`` writes none.
+    ``trackers``: where rank 0 also logs every step's scalars, among ``tensorboard``, ``wandb``
+    and ``mlflow`` (optional extras; a restarted or resumed run continues the same tracked run;
+    :mod:`qwen35_trainer.supervise.trackers`); ``[]``: ``metrics.jsonl`` alone.
     ``mtp_loss_weight``: with a multi-token-prediction head (``model.mtp_layers``), its
     cross-entropy (mean over depths, each normalised by its own valid targets) is added to the
-    loss with this weight (0.1, Megatron-Bridge's default)."""
+    loss with this weight (0.1, Megatron-Bridge's default). ``hang_timeout``: seconds without
+    progress (a step, an evaluation, a checkpoint, the setup before the first step) after which
+    every live rank writes its Python stacks to ``<output_dir>/hang/`` and the job exits 6
+    (:mod:`qwen35_trainer.supervise.watchdog`); 0 turns the watchdog off. ``stop_timeout``:
+    seconds the built-in launcher gives its workers, after forwarding a stop signal, to finish
+    the step and save before it kills them (:mod:`qwen35_trainer.supervise.agent`)."""
 
     steps: int = 10
     optimizer: str = "adamw"
@@ -216,6 +96,7 @@ class TrainRecipe:
     warmup_steps: int = 0
     lr_floor: float = 0.0
     output_dir: str | None = None
+    trackers: tuple[str, ...] = ("tensorboard",)
     keep_checkpoints: int = 0
     eval_every: int = 0
     eval_steps: int = 1
@@ -227,6 +108,16 @@ class TrainRecipe:
     deterministic: bool = True
     mtp_loss_weight: float = 0.1
     compile: bool = False
+    hang_timeout: float = 1800.0
+    stop_timeout: float = 600.0
+
+    @property
+    def checkpoint_root(self) -> str | None:
+        """Where the run's checkpoints go: ``checkpoint_dir``, else ``<output_dir>/checkpoints``
+        when the run folder exists and ``checkpoint_every`` asks for checkpoints, else none."""
+        if self.checkpoint_dir is None and self.output_dir and self.checkpoint_every:
+            return os.path.join(self.output_dir, "checkpoints")
+        return self.checkpoint_dir
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas
@@ -260,9 +151,16 @@ class TrainRecipe:
                 "keep_checkpoints": (self.keep_checkpoints >= 0, ">= 0 (0 keeps every checkpoint)"),
                 "eval_every": (self.eval_every >= 0, ">= 0 (0: no evaluation)"),
                 "eval_steps": (self.eval_steps >= 1, ">= 1"),
+                "trackers": (
+                    set(self.trackers) <= set(TRACKERS)
+                    and len(set(self.trackers)) == len(self.trackers),
+                    f"a list of distinct names among {list(TRACKERS)} ([]: none)",
+                ),
                 "on_nonfinite": (self.on_nonfinite in ON_NONFINITE, f"one of {ON_NONFINITE}"),
                 "max_skipped_steps": (self.max_skipped_steps >= 1, ">= 1"),
                 "mtp_loss_weight": (self.mtp_loss_weight >= 0, ">= 0"),
+                "hang_timeout": (self.hang_timeout >= 0, ">= 0 seconds (0: no watchdog)"),
+                "stop_timeout": (self.stop_timeout > 0, "> 0 seconds"),
                 "checkpoint_every": (self.checkpoint_every >= 0, ">= 0"),
                 "export_format": (
                     self.export_format in EXPORT_FORMATS,
@@ -344,6 +242,6 @@ class ParallelRecipe:
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     model: ModelRecipe
-    data: DataRecipe = DataRecipe()
+    data: DataRecipe = dataclasses.field(default_factory=DataRecipe)
     train: TrainRecipe = TrainRecipe()
     parallel: ParallelRecipe = ParallelRecipe()

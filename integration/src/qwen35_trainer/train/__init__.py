@@ -1,4 +1,5 @@
-"""The train stage: the loop and everything a run does around its steps.
+"""The train stage: the loop, its steps and checkpoints. How a run is launched, stopped, watched
+and recorded is :mod:`qwen35_trainer.supervise`.
 
 - :mod:`.loop`: :func:`train` — process group, setup, resume, the steps, checkpoints, export;
 - :mod:`.step`: one optimizer step (:func:`~.step.train_step`) and its global counts;
@@ -6,9 +7,8 @@
 - :mod:`.schedule`: the learning rate of each step; the optimizer's name;
 - :mod:`.checkpoint`, :mod:`.integrity`, :mod:`.safe_load`: DCP checkpoints that prove their
   integrity and load no foreign code;
-- :mod:`.metrics`: a step's record; :mod:`.run_folder`: metrics.jsonl, TensorBoard, plots, logs;
-- :mod:`.preemption`, :mod:`.nonfinite`, :mod:`.determinism`: stopping on a signal, never
-  stepping on a non-finite gradient, repeatable runs;
+- :mod:`.nonfinite`, :mod:`.determinism`: never stepping on a non-finite gradient, repeatable
+  runs;
 - :mod:`.replay`, :mod:`.export`: recompute one step; a checkpoint as a transformers directory.
 """
 

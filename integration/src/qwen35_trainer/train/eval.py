@@ -4,7 +4,7 @@ held-out global batches, split over the ranks as training is (the batches always
 tokens' shares of the loss (normalised by the global valid-label count, as in training) and its
 correct labels; one all-reduce over the loss group makes them global. With the
 multi-token-prediction head the loss includes its term (as in training, :func:`~qwen35_trainer.
-train.step.total_loss`) and ``mtp_accuracy`` is the head's depth-1 top-1 accuracy on token
+model.loss.total_loss`) and ``mtp_accuracy`` is the head's depth-1 top-1 accuracy on token
 ``t + 2`` over its valid targets — the quantity that predicts speculative-decoding acceptance.
 Under pipeline parallelism the same micro-batches run forward only through torch's schedule
 (``eval``), the last stage computing the shares as the one-process objective does."""
@@ -16,16 +16,17 @@ from typing import Any
 
 import torch
 
+from qwen35_trainer.model.loss import total_loss
 from qwen35_trainer.model.pipeline.stages import StepInputs
 from qwen35_trainer.parallel import Layout
-from qwen35_trainer.train.step import all_reduce_loss_group, count_targets, total_loss
+from qwen35_trainer.train.step import all_reduce_loss_group, count_targets
 
 __all__ = ["EvalResult", "evaluate"]
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
-    """The held-out loss (:func:`~qwen35_trainer.train.step.total_loss`), next-token accuracy
+    """The held-out loss (:func:`~qwen35_trainer.model.loss.total_loss`), next-token accuracy
     over its labels and, with the MTP head, its depth-1 accuracy (``None`` without)."""
 
     loss: float

@@ -7,8 +7,11 @@ expert_layout`; ``experts`` overrides), its ``dtype`` (``config.json``'s; ``dtyp
 overrides, else the trained weights' own), ``config.json`` with ``architectures`` and
 ``dtype``, and beside the weights the source's processor — tokenizer, chat template, image and
 video processors (``model.path``, else ``data.processor``), their files copied byte for byte
-(:data:`PROCESSOR_FILES`) — and its ``generation_config.json``. A recipe without a processor gets the weights only, and the
-notes say so.
+(:data:`PROCESSOR_FILES`) — and a ``generation_config.json`` whose eos and pad ids stop
+``generate`` at the end of an assistant turn (``<|im_end|>``; the source's file completed:
+:mod:`qwen35_trainer.train.generation_config`). A recipe without a processor gets the weights
+only, and the notes say so. The weight files get the mode the folder's other files get
+(:mod:`qwen35_trainer.model.weights.saving`), so a server running as another user reads them.
 
 A LoRA run (``model.lora``) exports its adapters by default (``lora``: ``peft``, PEFT's
 ``target_parameters`` layout for the experts; ``per_expert``, 2-D adapters per expert;
@@ -52,6 +55,8 @@ from qwen35_trainer.model.weights.stored import SCALE_SUFFIX
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import ParallelRecipe, Recipe
+from qwen35_trainer.recipe.hub import PROCESSOR_FILES  # a processor folder's files
+from qwen35_trainer.train.generation_config import GENERATION_CONFIG, write_generation_config
 from qwen35_trainer.train.integrity import MANIFEST
 from qwen35_trainer.train.resume import checkpoints_in, load_model_weights, newest_loadable
 
@@ -70,20 +75,6 @@ EXPERT_LAYOUTS = ("source", "stacked", "per_expert")
 DTYPES = ("float32", "bfloat16", "float16", "fp8")
 # what an FP8 export made from a bf16 checkpoint keeps in bf16 (as Qwen's FP8 releases do)
 NOT_CONVERTED = ["lm_head", "model.language_model.embed_tokens", "model.visual", "mtp.fc"]
-# a processor folder's files: tokenizer, chat template, image / video processors
-PROCESSOR_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "processor_config.json",
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-)
 # what from_pretrained or a server could load as the folder's weights
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin*")
 
@@ -197,9 +188,11 @@ def _clear_weights(out: Path) -> list[str]:
 
 
 def _beside_weights(recipe: Recipe, out: Path) -> list[str]:
-    """Copy the source's processor, tokenizer, chat template and generation config into
-    ``out``, byte for byte (a tool that reads them directly sees the source's files, not
-    transformers' re-save of them); what was copied."""
+    """Copy the source's processor, tokenizer and chat template into ``out``, byte for byte
+    (a tool that reads them directly sees the source's files, not transformers' re-save of
+    them), and write its generation config with the tokenizer's stop ids
+    (:func:`~qwen35_trainer.train.generation_config.write_generation_config`); what was
+    written."""
     folder = _processor_dir(recipe)
     if folder is None:
         return [
@@ -210,12 +203,9 @@ def _beside_weights(recipe: Recipe, out: Path) -> list[str]:
     for name in copied:
         shutil.copyfile(folder / name, out / name)
     notes = [f"copied byte for byte from {folder}: {', '.join(copied)}"]
-    for source in (Path(recipe.model.path or folder), folder):
-        if (source / "generation_config.json").is_file():
-            shutil.copyfile(source / "generation_config.json", out / "generation_config.json")
-            notes.append(f"generation config of {source}")
-            break
-    return notes
+    sources = (Path(recipe.model.path or folder), folder)
+    source = next((s for s in sources if (s / GENERATION_CONFIG).is_file()), None)
+    return notes + write_generation_config(folder, source, out)
 
 
 def export_model(

@@ -24,7 +24,7 @@ The logged loss is the sum of the shares over the loss group (one all-reduce), i
 batch's loss, identical on every rank. The loop is made of units a test or a user can drive:
 the step (:func:`qwen35_trainer.train.step.train_step`), the schedule
 (:func:`qwen35_trainer.train.schedule.lr_at`, re-applied every step, so a resumed run follows the
-recipe it is started with), the run folder (:mod:`qwen35_trainer.train.run_folder`) and the
+recipe it is started with), the run folder (:mod:`qwen35_trainer.supervise.run_folder`) and the
 checkpoints (:mod:`qwen35_trainer.train.checkpoint`, :mod:`qwen35_trainer.train.resume`).
 """
 
@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -45,26 +46,28 @@ from qwen35_trainer.data.feed import Feed
 from qwen35_trainer.model import build_config, build_training_model
 from qwen35_trainer.model.flops import peak_flops
 from qwen35_trainer.model.kernels import resolve_kernels
+from qwen35_trainer.model.loss import total_loss
 from qwen35_trainer.model.objective import TrainingObjective
 from qwen35_trainer.parallel import Layout, ParallelDims, validate_layout
+from qwen35_trainer.parallel.dist import all_ranks, init_distributed, rank, world
 from qwen35_trainer.parallel.dist import device as this_device
-from qwen35_trainer.parallel.dist import init_distributed, rank, world
 from qwen35_trainer.parallel.megatron import place_distributed, wire_optimizer
 from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import Recipe
+from qwen35_trainer.recipe.hub import check_same_commits, hub_commits
+from qwen35_trainer.supervise.console import what_runs
+from qwen35_trainer.supervise.metrics import StepLog, peak_memory_mib
+from qwen35_trainer.supervise.preemption import Preempted, StopFlag
+from qwen35_trainer.supervise.run_folder import RunFolder, resolved_recipe
+from qwen35_trainer.supervise.watchdog import Watchdog
 from qwen35_trainer.train.checkpoint import AsyncCheckpointer, data_state_files, save_checkpoint
-from qwen35_trainer.train.console import what_runs
 from qwen35_trainer.train.determinism import deterministic_mode, prepare_cuda
 from qwen35_trainer.train.eval import evaluate
 from qwen35_trainer.train.export import ExportOptions, check_export_dir, export_model
-from qwen35_trainer.train.metrics import StepLog, peak_memory_mib
 from qwen35_trainer.train.nonfinite import NonFiniteGuard, NonFiniteStep
 from qwen35_trainer.train.pipeline_step import step_function
-from qwen35_trainer.train.preemption import Preempted, StopFlag
 from qwen35_trainer.train.resume import changed_on_resume, restore_data_state, resume_point
-from qwen35_trainer.train.run_folder import RunFolder, resolved_recipe
 from qwen35_trainer.train.schedule import lr_at, optimizer_name, set_lr
-from qwen35_trainer.train.step import total_loss
 from safe_optim import build_optimizer
 
 __all__ = ["Setup", "StepLog", "TrainResult", "setup", "start_processes", "train"]
@@ -77,20 +80,25 @@ class TrainResult:
     """The step logs, the trained objective (its parameters are DTensors: shards on this
     rank's meshes, whole on one process's one-rank group) and its optimizer (with this rank's
     state). The run's process groups live until :meth:`close` (or the end of a ``with``
-    block, or the next run in this process: :mod:`qwen35_trainer.parallel.resources`)."""
+    block; dropped unclosed, the next run in this process releases them:
+    :mod:`qwen35_trainer.parallel.resources`)."""
 
     logs: list[StepLog]
     objective: TrainingObjective
     optimizer: torch.optim.Optimizer | None = None
     resources: RunResources | None = None
 
+    def __post_init__(self) -> None:
+        if self.resources is not None:  # the run stays open while the caller holds this
+            self.resources.result = weakref.ref(self)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's state as plain, whole tensors (each DTensor shard gathered; under
         a launch every rank must call it), in transformers' names."""
         if self.objective is None or (self.resources is not None and self.resources.released):
             raise RuntimeError(
-                "this TrainResult was closed (or a later run in this process released it): its "
-                "model's shards went with the run's process groups; read state_dict() first"
+                "this TrainResult was closed: its model's shards went with the run's process "
+                "groups; read state_dict() before closing it"
             )
         with torch.no_grad():  # values, not a graph that would keep the model alive
             return {
@@ -116,9 +124,9 @@ def train(recipe: Recipe, *, on_step: Callable[[StepLog], None] | None = None) -
     """Run ``recipe.train.steps`` optimizer steps, streaming each step's log to ``on_step``.
 
     Under ``torchrun`` (``WORLD_SIZE`` > 1) the process group is created here unless it exists.
-    What the run creates is released when it fails, and when its result is closed
-    (:class:`TrainResult`) or the next run starts; a :class:`NonFiniteStep` carries the run's
-    result, open, for inspection.
+    What the run creates is released when it fails, when its result is closed
+    (:class:`TrainResult`), or, the result dropped unclosed, when the next run starts; a
+    :class:`NonFiniteStep` carries the run's result, open, for inspection.
     """
     resources = open_run()
     try:
@@ -183,6 +191,7 @@ def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
     (:func:`qwen35_trainer.model.build_training_model`) and its optimizer, after
     :func:`start_processes` (``dims``: what it returned)."""
     device = this_device()
+    check_same_commits(all_ranks(hub_commits(recipe)))  # every rank reads the same inputs
     objective, layout = build_training_model(recipe, device, dims=dims)
     model, training = objective.model, recipe.train
     optimizer = build_optimizer(
@@ -203,6 +212,13 @@ def setup(recipe: Recipe, dims: ParallelDims | None = None) -> Setup:
 def _train(recipe: Recipe, on_step, dims: ParallelDims, resources: RunResources) -> TrainResult:
     if recipe.train.export_dir:  # refused now, not after the run
         check_export_dir(recipe.train.export_dir, recipe.train.export_overwrite)
+    training = recipe.train
+    with Watchdog(training.hang_timeout, training.output_dir, rank(), world()) as watchdog:
+        return _watched(recipe, on_step, dims, resources, watchdog)
+
+
+def _watched(recipe, on_step, dims, resources, watchdog: Watchdog) -> TrainResult:
+    """The run, each phase reported to ``watchdog``."""
     run = setup(recipe, dims)
     resources.hold(run.objective, run.objective.router.clear)
     objective, optimizer, layout, device = run.objective, run.optimizer, run.layout, run.device
@@ -224,9 +240,7 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims, resources: RunResources)
         logger.warning(warning)
         if folder is not None:
             folder.note(warning)
-    checkpoints = training.checkpoint_dir
-    if checkpoints is None and training.output_dir and training.checkpoint_every:
-        checkpoints = os.path.join(training.output_dir, "checkpoints")
+    checkpoints = training.checkpoint_root
     start, damaged = resume_point(checkpoints, objective, optimizer, training.verify_checkpoints)
     for message in damaged:
         logger.warning(message)
@@ -245,7 +259,7 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims, resources: RunResources)
     stop = StopFlag()
     try:
         with stop.installed():
-            for log in _steps(run, recipe, feed, checkpoints, start, stop):
+            for log in _steps(run, recipe, feed, checkpoints, start, stop, watchdog.beat):
                 logs.append(log)
                 if folder is not None:
                     folder.record(log)
@@ -254,11 +268,16 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims, resources: RunResources)
     except NonFiniteStep as failed:
         failed.result = TrainResult(logs, objective, optimizer, resources)
         raise
+    except Preempted as stopped:
+        if folder is not None:  # what a requeue script reads (docs/scaling.md)
+            folder.note(str(stopped))
+        raise
     finally:
         if folder is not None:
             folder.close()
     place_distributed(objective)  # megatron-fsdp after an evaluation: the trained shards
     if training.export_dir:
+        watchdog.beat(len(logs) + start, "export")
         options = ExportOptions(
             overwrite=training.export_overwrite,
             lora=training.export_format if recipe.model.lora is not None else None,
@@ -271,7 +290,13 @@ def _train(recipe: Recipe, on_step, dims: ParallelDims, resources: RunResources)
 
 
 def _steps(
-    run: Setup, recipe: Recipe, feed: Feed, checkpoints: str | None, start: int, stop: StopFlag
+    run: Setup,
+    recipe: Recipe,
+    feed: Feed,
+    checkpoints: str | None,
+    start: int,
+    stop: StopFlag,
+    beat: Callable[[int, str], None],
 ) -> Iterator[StepLog]:
     """Steps ``start`` .. ``train.steps``, each one's log yielded once it is taken; checkpoints
     as the recipe asks; stops (saving) after a step when any rank got a preemption signal, and
@@ -288,7 +313,9 @@ def _steps(
         began = time.perf_counter()
         lr = lr_at(step, training)
         set_lr(optimizer, lr)
+        beat(step + 1, "reading the step's data")
         micro, data = feed.step(step)
+        beat(step + 1, "forward, backward and optimizer step")
         result = step_function(objective)(
             objective,
             optimizer,
@@ -307,6 +334,7 @@ def _steps(
             and eval_every
             and ((step + 1) % eval_every == 0 or step + 1 == training.steps)
         ):
+            beat(step + 1, "held-out evaluation")
             held_out = evaluate(
                 recipe, objective, layout, feed.eval_batches(), device=device, **run.loss_weights()
             )
@@ -340,9 +368,11 @@ def _steps(
                 writer.wait()  # the checkpoint being written completes: it stays the newest
             raise failed
         every = training.checkpoint_every
+        beat(step + 1, "agreeing whether to stop (one all-reduce)")
         stopping = stop.agreed(device)
         due = step + 1 == training.steps or (every and (step + 1) % every == 0)
         if checkpoints and (due or stopping):
+            beat(step + 1, "saving the checkpoint")
             save_checkpoint(
                 checkpoints,
                 step + 1,
@@ -353,6 +383,7 @@ def _steps(
                 background=writer,
             )
         if stopping and writer is not None:
+            beat(step + 1, "completing the background checkpoint")
             writer.wait()
         if stopping:
             where = f"{checkpoints}/step_{step + 1:06d}" if checkpoints else None

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compat import clip_grad_norm
+from qwen35_trainer.model.loss import total_loss
 from qwen35_trainer.model.pipeline.stages import StepInputs
 from qwen35_trainer.parallel import Layout
 from qwen35_trainer.parallel.sequence_parallel import sum_sequence_parallel_grads
@@ -33,7 +34,6 @@ from qwen35_trainer.train.step import (
     count_targets,
     finish_step,
     micro_flops,
-    total_loss,
     train_step,
 )
 

@@ -19,7 +19,6 @@ the layouts' parity tolerances, not bitwise.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
@@ -27,15 +26,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qwen35_trainer.data.feed import Feed
+from qwen35_trainer.model.loss import total_loss
 from qwen35_trainer.parallel.resources import RunResources, open_run
 from qwen35_trainer.recipe import Recipe
+from qwen35_trainer.supervise.run_folder import step_records
 from qwen35_trainer.train.determinism import deterministic_mode
 from qwen35_trainer.train.loop import setup, start_processes
 from qwen35_trainer.train.nonfinite import global_sources
 from qwen35_trainer.train.pipeline_step import step_function
 from qwen35_trainer.train.resume import checkpoints_in, load_checkpoint, restore_data_state
 from qwen35_trainer.train.schedule import lr_at, set_lr
-from qwen35_trainer.train.step import total_loss
 
 __all__ = ["Replay", "layer_grad_norms", "logged_record", "replay"]
 
@@ -174,11 +174,11 @@ def _replay(recipe: Recipe, path: Path, step: int, resources: RunResources) -> R
 
 
 def logged_record(checkpoint: Path, step: int) -> dict | None:
-    """The run folder's ``metrics.jsonl`` record of ``step`` (its last one) when the
+    """The run folder's ``metrics.jsonl`` record of ``step`` (the run's, by
+    :func:`~qwen35_trainer.supervise.run_folder.step_records`: the last attempt's) when the
     checkpoint sits in ``<run folder>/checkpoints/``, else ``None``."""
     metrics = checkpoint.parent.parent / "metrics.jsonl"
     if not metrics.is_file():
         return None
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    found = [r for r in records if r.get("step") == step]
-    return found[-1] if found else None
+    found = [r for r in step_records(metrics) if r["step"] == step]
+    return found[0] if found else None

@@ -63,6 +63,7 @@ __all__ = [
     "checkpoints_in",
     "load_checkpoint",
     "load_model_weights",
+    "newest_checkpoint",
     "newest_loadable",
     "restore_data_state",
     "resume_point",
@@ -111,6 +112,15 @@ def checkpoints_in(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
     return sorted(found, reverse=True)
+
+
+def newest_checkpoint(checkpoint_dir: str | Path | None) -> int | None:
+    """The step of the newest checkpoint under ``checkpoint_dir`` with a final name (what a
+    restart resumes from unless it is damaged); ``None`` when there is none."""
+    if checkpoint_dir is None or not Path(checkpoint_dir).is_dir():
+        return None
+    found = checkpoints_in(checkpoint_dir)
+    return found[-1][0] if found else None
 
 
 def agreed_verdict(path: Path, *, checksums: bool = True) -> Verdict:

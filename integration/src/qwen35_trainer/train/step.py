@@ -7,7 +7,8 @@ Why the step is the one-process step on the global batch: see :mod:`qwen35_train
 over every micro-batch and every rank holding different tokens (CP ranks share their rows, so
 each counts its whole rows and the sum is divided by ``cp``), the expert loads summed over the
 same ranks. With the multi-token-prediction head each depth's valid targets are counted the same
-way (its own normaliser, :mod:`qwen35_trainer.model.mtp`), and the loss is :func:`total_loss`.
+way (its own normaliser, :mod:`qwen35_trainer.model.mtp`), and the loss is
+:func:`qwen35_trainer.model.loss.total_loss`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from fsdp_compat import accumulating, clip_grad_norm, finish_grad_sync
 from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.model.flops import training_flops
+from qwen35_trainer.model.loss import total_loss
 from qwen35_trainer.model.mtp import document_ids, mtp_targets
 from qwen35_trainer.parallel import Layout
 from qwen35_trainer.parallel.sequence_parallel import sum_sequence_parallel_grads
@@ -34,7 +36,6 @@ __all__ = [
     "count_targets",
     "finish_step",
     "micro_flops",
-    "total_loss",
     "train_step",
 ]
 
@@ -69,16 +70,6 @@ class StepResult:
             applied=applied,
             mtp=tuple(float(x) for x in totals[3:]),
         )
-
-
-def total_loss(ce, aux, mtp, aux_coef: float, mtp_weight: float):
-    """The loss a step minimises: ``ce + aux_coef * aux`` plus ``mtp_weight`` times the mean of
-    the MTP depths' cross-entropies (Megatron's scaling; ``mtp`` empty or ``None``: no head).
-    Floats or tensors (a [D] tensor of MTP shares)."""
-    loss = ce + aux_coef * aux
-    if mtp is not None and len(mtp):
-        loss = loss + mtp_weight * (mtp.mean() if torch.is_tensor(mtp) else sum(mtp) / len(mtp))
-    return loss
 
 
 def all_reduce_loss_group(t: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -38,6 +38,7 @@ from moe_parallel.moe import Experts
 from qwen35_trainer.model.lora.adapters import LoRALinear
 from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import canonical_name
+from qwen35_trainer.model.weights.saving import save_tensors
 from qwen35_trainer.model.whole import held
 
 __all__ = ["LORA_FORMATS", "adapter_config", "adapter_tensors", "write_adapter"]
@@ -146,8 +147,6 @@ def write_adapter(
     where ``writer``, rank 0; every rank gathers the adapters with ``full``). Under pipeline
     parallelism (``pipeline``) each rank gathers its stages' adapters and rank 0 collects every
     rank's (one ``gather_object``: the adapters are small)."""
-    from safetensors.torch import save_file
-
     tensors = {
         key: value.detach().to("cpu", torch.float32, copy=True).contiguous()
         for key, value in adapter_tensors(model, full, per_expert=per_expert)
@@ -158,6 +157,6 @@ def write_adapter(
         tensors = {k: v for part in parts or () for k, v in part.items()}
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_tensors(tensors, out / "adapter_model.safetensors")
         config = adapter_config(lora, per_expert=per_expert, base=base)
         (out / "adapter_config.json").write_text(json.dumps(config, indent=2))

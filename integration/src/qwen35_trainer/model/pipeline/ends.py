@@ -3,10 +3,11 @@ the vision tower's features in place) and what the last stage computes after the
 norm, the cross-entropy through ``lm_head``, the load-balancing loss of every layer, the MTP
 head's loss), as :class:`~qwen35_trainer.model.pipeline.stages.StageModule` runs them.
 
-Each is what the one-process objective computes for the same micro-batch
-(:mod:`qwen35_trainer.model.objective`): the loss is its share of the step's global loss with
-the step's global label counts, and the aux loss is transformers' over the router statistics of
-every layer, which the stages carried forward (:mod:`qwen35_trainer.model.pipeline.stages`).
+The loss is the one every layout computes (:func:`qwen35_trainer.model.loss.head_losses` and
+:func:`~qwen35_trainer.model.loss.total_loss`, with the step's global label counts); what is the
+pipeline's own is where it is computed (the last stage) and its aux loss: transformers' over the
+router statistics of every layer, which the stages carried forward
+(:mod:`qwen35_trainer.model.pipeline.stages`), instead of the objective's router logits.
 """
 
 from __future__ import annotations
@@ -19,15 +20,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from chunked_loss import linear_cross_entropy
 from cp_varlen_attn import shard_sequence
 from cp_varlen_attn.transformers import embed_packed_row
 from moe_parallel import balancing_loss_of, sdpa_preserving_context
 from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.data.batch import present_media
-from qwen35_trainer.model.accuracy import ACCURACY_CHUNK, count_correct
-from qwen35_trainer.model.mtp import mtp_shares
-from qwen35_trainer.model.objective import LossShares, head_weights, valued_as_summed
+from qwen35_trainer.model.loss import head_losses
+from qwen35_trainer.model.objective import LossShares, valued_as_summed
 from qwen35_trainer.model.packed import dummy_vision, image_features
 
 __all__ = ["embed_row", "stage_loss"]
@@ -63,49 +62,38 @@ def stage_loss(stage: Any, batch, packed, rank, hidden_BTH, prob_sum, counts, em
     hidden_BTH = stage.norm(hidden_BTH)
     labels = torch.nn.functional.pad(batch.labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     labels_BT = shard_sequence(labels, packed.layout, rank, dim=1)
-    head = head_weights(stage.lm_head, hidden_BTH.dtype)
-    ce = linear_cross_entropy(
-        hidden_BTH,
-        head.weight,
-        labels_BT,
-        bias=head.bias,
-        ignore_index=IGNORE_INDEX,
-        chunk_size=stage.loss_chunk_size,
-        num_valid_tokens=step.num_valid,
-        grad_in_forward=False if stage.backward_twice else None,
-    )
-    aux = _aux(stage, prob_sum, counts, step.loss_group) / len(step.micro)
-    chunk = (stage.loss_chunk_size or ACCURACY_CHUNK) if step.accuracy else None
-    correct = None
-    if step.accuracy:
-        correct = count_correct(hidden_BTH, head.weight, head.bias, labels_BT, chunk)
     mtp = None
     if embeds is not None:
-        mtp = mtp_shares(
+        language_model = stage.model.model.language_model
+        mtp = (
             stage.mtp,
-            stage.model.model.language_model,
-            head,
-            hidden_BTH,
-            embeds,
-            batch.labels,
-            packed,
-            step.num_mtp,
-            loss_group=step.loss_group,
-            chunk_size=stage.loss_chunk_size,
-            accuracy_chunk=chunk,
+            language_model,
+            (embeds, batch.labels, packed, step.num_mtp, step.loss_group),
         )
+    ce, correct, mtp_out = head_losses(
+        stage.lm_head,
+        hidden_BTH,
+        labels_BT,
+        num_valid=step.num_valid,
+        chunk_size=stage.loss_chunk_size,
+        accuracy=step.accuracy,
+        grad_in_forward=False if stage.backward_twice else None,
+        mtp=mtp,
+    )
+    aux = _aux(stage, prob_sum, counts, step.loss_group) / len(step.micro)
+    mtp_ce = None if mtp_out is None else mtp_out.ce
     stage.shares.append(
         LossShares(
             ce.detach(),
             aux.detach(),
             step.num_valid,
             correct,
-            None if mtp is None else mtp.ce.detach(),
-            None if mtp is None else mtp.correct,
+            None if mtp_ce is None else mtp_ce.detach(),
+            None if mtp_out is None else mtp_out.correct,
         )
     )
     # [1], not a view of the scalar (FSDP2 refuses a module output that is a view)
-    return torch.stack([step.loss_of(ce, aux, None if mtp is None else mtp.ce)])
+    return torch.stack([step.loss_of(ce, aux, mtp_ce)])
 
 
 def _aux(stage: Any, prob_sum: torch.Tensor, counts: torch.Tensor, loss_group: Any) -> torch.Tensor:

@@ -81,7 +81,7 @@ def keep_stages(model: nn.Module, stage_layers: list[range], mine: list[int], pp
 class StepInputs:
     """One step's micro-batches (``(batch, packed)`` each) and what the loss needs of the whole
     step: the global valid-label count, each MTP depth's, the loss group, ``loss_of(ce,
-    aux, mtp)``, the weighted loss (:func:`qwen35_trainer.train.step.total_loss`), and whether
+    aux, mtp)``, the weighted loss (:func:`qwen35_trainer.model.loss.total_loss`), and whether
     the last stage also counts correct predictions (the held-out evaluation)."""
 
     micro: list

@@ -9,9 +9,11 @@ are cut into files of at most ``max_file_bytes``; the files are numbered
 order on every rank, a sharded parameter is reassembled (:func:`fsdp_compat.full_tensor`,
 right for FSDP2's and megatron-fsdp's shards alike: one tensor at a
 time, so memory is bounded by one tensor plus the file being filled) and kept only by its
-owner, which writes each of its files as soon as it is full. Rank 0 writes the index
+owner, which writes each of its files as soon as it is full (readable as the folder's other
+files are: :mod:`~qwen35_trainer.model.weights.saving`). Rank 0 writes the index
 (``model.safetensors.index.json``) and ``config.json`` (with ``architectures`` and ``dtype``,
-which servers read). The tensors keep their runtime names; the routed experts are written
+which servers read, and the fields they read that transformers leaves implicit:
+:mod:`~qwen35_trainer.model.weights.served_config`). The tensors keep their runtime names; the routed experts are written
 stacked (the runtime layout) or, with ``per_expert``, one tensor per expert and projection, as
 transformers' ``save_pretrained`` and most published checkpoints hold them — both load in
 ``from_pretrained``. The multi-token-prediction head's experts are always per expert, as the
@@ -32,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -45,10 +48,14 @@ from moe_parallel import quantize
 from qwen35_trainer.model.fp8.hold import converted_form, dequantized
 from qwen35_trainer.model.lora.adapters import is_adapter, merged
 from qwen35_trainer.model.weights.adapter import on_disk
+from qwen35_trainer.model.weights.saving import save_tensors
+from qwen35_trainer.model.weights.served_config import complete_for_servers
 from qwen35_trainer.model.weights.stored import SCALE_SUFFIX
 from qwen35_trainer.model.whole import WholeParameter, whole_parameters
 
 __all__ = ["FP8Export", "export_hf", "export_plan"]
+
+logger = logging.getLogger("qwen35_trainer")
 
 MAX_FILE_BYTES = 2 << 30
 # transformers' class of the trained model (``type(model)`` is FSDP2's subclass of it once sharded)
@@ -136,8 +143,6 @@ def export_hf(
     weights in FP8 instead (:class:`FP8Export`); ``pipeline_group``: under pipeline
     parallelism, this rank's pipeline group (each tensor is then written by a rank of the stage
     holding it)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -179,14 +184,12 @@ def export_hf(
             if owner != rank:
                 continue
             if current is not None and number != current:
-                save_file(
-                    pending, str(path / _file_name(current, total)), metadata={"format": "pt"}
-                )
+                save_tensors(pending, path / _file_name(current, total))
                 pending = {}
             current = number
             pending[disk] = take(values[part]).to("cpu", kind, copy=True).contiguous()
     if pending:
-        save_file(pending, str(path / _file_name(current, total)), metadata={"format": "pt"})
+        save_tensors(pending, path / _file_name(current, total))
     if rank == 0:
         weight_map = {
             disk: _file_name(number, total)
@@ -200,6 +203,8 @@ def export_hf(
         config = copy.deepcopy(model.config)
         config.architectures = [ARCHITECTURE]
         config.dtype = dtype
+        for note in complete_for_servers(config, model):
+            logger.warning(note)
         if fp8 is not None:
             config.quantization_config = dict(fp8.quantization_config)
         config.save_pretrained(str(path))

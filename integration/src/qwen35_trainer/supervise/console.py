@@ -17,9 +17,10 @@ from qwen35_trainer.model.lora.adapters import is_adapter
 from qwen35_trainer.model.pipeline.build import stage_layers
 from qwen35_trainer.model.whole import whole_parameters
 from qwen35_trainer.recipe import Recipe
-from qwen35_trainer.train.metrics import StepLog
+from qwen35_trainer.recipe.hub import HUB_KEYS
+from qwen35_trainer.supervise.metrics import StepLog
 
-__all__ = ["Console", "parameter_lines", "quiet_cpu_notices", "what_runs"]
+__all__ = ["Console", "input_lines", "parameter_lines", "quiet_cpu_notices", "what_runs"]
 
 
 def what_runs(
@@ -33,7 +34,7 @@ def what_runs(
     backend), precision and compilation, the kernel each layer kind runs (``kernels``), the
     parameters that train and, with LoRA, which modules carry adapters, the FP8 base's modules
     and bytes (``model``, the whole model however it is split), the MTP head (when it has one),
-    data and run folder."""
+    where the model and data were read from (:func:`input_lines`), data and run folder."""
     p, training, data = recipe.parallel, recipe.train, recipe.data
     backend = "nccl" if device.type == "cuda" else "gloo"
     sharding = "FSDP2" if p.fsdp_backend == "fsdp2" else "megatron-fsdp"
@@ -79,12 +80,32 @@ def what_runs(
             f"multi-token prediction: {recipe.model.mtp_depth} layer(s) (mtp.*), loss weight "
             f"{training.mtp_loss_weight:g}, exported with the model"
         )
+    lines += input_lines(recipe)
     if data.dataset:
-        source = data.path or data.source
-        lines.append(f"data: {source} through {data.processor}, packed to {data.pack_length}")
+        source = data.from_hub.get("path") or data.path or data.source
+        processor = data.from_hub.get("processor") or data.processor
+        if data.processor == recipe.model.path:
+            processor = f"model.path's processor ({recipe.model.from_hub.get('path', processor)})"
+        lines.append(f"data: {source} through {processor}, packed to {data.pack_length}")
     else:
         lines.append("data: the synthetic stream (no data.path)")
     lines.append(f"run folder: {training.output_dir or '(none)'}")
+    return lines
+
+
+def input_lines(recipe: Recipe) -> list[str]:
+    """Where each input was read from: ``KEY: local PATH``, or ``KEY: Hub KIND ID@REVISION,
+    snapshot PATH`` (the folder of its commit in the Hub cache; :mod:`qwen35_trainer.recipe.
+    hub`)."""
+    lines = []
+    for section, key, _, kind in HUB_KEYS:
+        values = getattr(recipe, section)
+        path, hub = getattr(values, key), values.from_hub.get(key)
+        if not path or (key == "processor" and path == recipe.model.path):
+            continue
+        said = "built-in" if path.startswith("builtin:") else "local"
+        said = f"Hub {kind} {hub}, snapshot {path}" if hub else f"{said} {path}"
+        lines.append(f"{section}.{key}: {said}")
     return lines
 
 
@@ -154,6 +175,7 @@ class Console:
     def __init__(self, steps: int, log_every: int, printing: bool) -> None:
         self.steps, self.log_every, self.printing = steps, log_every, printing
         self.first: tuple[int, float] | None = None
+        self.held_out: dict[str, str] = {}  # the newest evaluation, as the bar shows it
         self.bar = None
         if printing and sys.stdout.isatty():  # a terminal: one progress bar instead of lines
             from tqdm import tqdm
@@ -164,10 +186,22 @@ class Console:
         self.first = self.first or (log.step, time.perf_counter())
         if self.bar is not None:
             self.bar.n = log.step
-            rate = log.tokens / log.seconds if log.seconds > 0 else 0.0
-            self.bar.set_postfix(loss=f"{log.loss:.4f}", lr=f"{log.lr:.2g}", tok_s=f"{rate:.0f}")
+            self.bar.set_postfix(self.postfix(log))
         elif self.printing and (log.step % self.log_every == 0 or log.step == self.steps):
             print(self.line(log), flush=True)
+
+    def postfix(self, log: StepLog) -> dict[str, str]:
+        """The bar's fields: loss, learning rate, tokens/s and, from the first evaluation on,
+        the newest held-out loss and accuracy (``eval``, ``accuracy``, ``mtp_accuracy`` with
+        the MTP head, as the step line names them). They stay shown until the next evaluation:
+        the bar is redrawn every step, and an evaluating step is one of ``train.eval_every``."""
+        if log.eval_loss is not None:
+            self.held_out = {"eval": f"{log.eval_loss:.4f}", "accuracy": f"{log.eval_accuracy:.3f}"}
+            if log.eval_mtp_accuracy is not None:
+                self.held_out["mtp_accuracy"] = f"{log.eval_mtp_accuracy:.3f}"
+        rate = log.tokens / log.seconds if log.seconds > 0 else 0.0
+        shown = {"loss": f"{log.loss:.4f}", "lr": f"{log.lr:.2g}", "tok_s": f"{rate:.0f}"}
+        return shown | self.held_out
 
     def close(self, logs: list[StepLog], output_dir: str | None) -> None:
         """The bar closed and the summary line."""

@@ -56,8 +56,8 @@ class StepLog:
     eval_mtp_accuracy: float | None = None
 
     def metrics(self) -> dict:
-        """The ``metrics.jsonl`` record (:data:`METRIC_FIELDS`); a
-        non-finite number is ``null`` (JSON has none)."""
+        """The ``metrics.jsonl`` record (:data:`METRIC_FIELDS` but ``attempt``, which the run
+        folder adds); a non-finite number is ``null`` (JSON has none)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["step_seconds"] = out.pop("seconds")
         out["tokens_per_s"] = self.tokens / self.seconds if self.seconds > 0 else None
@@ -71,10 +71,12 @@ def _finite(value):
 
 
 # Every metrics.jsonl record has exactly these keys: StepLog's fields (``seconds`` written as
-# ``step_seconds``) and the derived ``tokens_per_s``.
+# ``step_seconds``), the derived ``tokens_per_s`` and the run folder's ``attempt`` (which start
+# of the run folder took the step, :mod:`qwen35_trainer.supervise.run_folder`).
 METRIC_FIELDS = (
     *("step_seconds" if f.name == "seconds" else f.name for f in dataclasses.fields(StepLog)),
     "tokens_per_s",
+    "attempt",
 )
 
 
