@@ -37,7 +37,7 @@ from qwen35_trainer.model.mtp import add_mtp
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.weights.adapter import fp8_weights
-from qwen35_trainer.model.weights.files import CheckpointFiles
+from qwen35_trainer.model.weights.files import open_files
 from qwen35_trainer.model.weights.init import SeededInit
 from qwen35_trainer.model.weights.load import CheckpointSource
 from qwen35_trainer.model.weights.shards import local_index, read_local
@@ -95,7 +95,7 @@ def _stored_fp8(model_recipe: ModelRecipe) -> set[str] | None:
     headers), or ``None`` when the base is quantized on load (a bf16 checkpoint, or none)."""
     if model_recipe.quantization is None or model_recipe.weights_dir is None:
         return None
-    return fp8_weights(CheckpointFiles(model_recipe.weights_dir))
+    return fp8_weights(open_files(model_recipe.weights_dir))
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
