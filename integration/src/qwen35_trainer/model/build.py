@@ -48,6 +48,7 @@ __all__ = [
     "build_meta_model",
     "build_model",
     "checkpoint_block",
+    "fill_settings",
     "init_parameters",
     "materialize",
     "materialize_buffers",
@@ -198,18 +199,22 @@ def materialize(model: nn.Module, device: torch.device | str, **sources: Any) ->
     return model
 
 
+def fill_settings(model_recipe: ModelRecipe, seed: int) -> dict[str, Any]:
+    """What :func:`materialize` and :func:`module_filler` fill a model of ``model_recipe``
+    from (:func:`weight_sources`' arguments): the one place a recipe becomes weight sources."""
+    return {
+        "seed": seed,
+        "weights": model_recipe.weights_dir,
+        "init_missing_mtp": model_recipe.init_missing_mtp,
+        "block": checkpoint_block(model_recipe),
+        "lora": model_recipe.lora,
+    }
+
+
 def build_model(model_recipe: ModelRecipe, *, seed: int = 0) -> nn.Module:
     """The recipe's model on the host, unsharded: name-seeded random weights, or
     ``model_recipe.weights`` loaded."""
-    return materialize(
-        build_meta_model(model_recipe),
-        "cpu",
-        seed=seed,
-        weights=model_recipe.weights_dir,
-        init_missing_mtp=model_recipe.init_missing_mtp,
-        block=checkpoint_block(model_recipe),
-        lora=model_recipe.lora,
-    )
+    return materialize(build_meta_model(model_recipe), "cpu", **fill_settings(model_recipe, seed))
 
 
 def checkpoint_block(model_recipe: ModelRecipe) -> tuple[int, int] | None:
