@@ -75,8 +75,11 @@ def test_a_training_checkpoints_model_state_starts_a_run(tmp_path):
 
 def test_a_folder_of_neither_kind_is_one_error(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"neither a transformers checkpoint directory .*"
-                       r"nor a torch Distributed Checkpoint folder \(no \.metadata there\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"neither a transformers checkpoint directory .*"
+        r"nor a torch Distributed Checkpoint folder \(no \.metadata there\)",
+    ):
         build_model(tiny(NO_MTP, f"model.weights={tmp_path / 'empty'}").model)
 
 
@@ -89,5 +92,6 @@ def test_a_damaged_or_unfitting_dcp_folder_is_one_error(folders, tmp_path):
     with pytest.raises(ValueError, match=r"\.metadata cannot be read"):
         build_model(tiny(NO_MTP, f"model.weights={damaged}").model)
     with pytest.raises(ValueError, match=r"does not fit the recipe's model .*lm_head\.weight"):
-        build_model(tiny(NO_MTP, f"model.weights={folders / 'dcp'}", "model.text.vocab_size=300")
-                    .model)
+        build_model(
+            tiny(NO_MTP, f"model.weights={folders / 'dcp'}", "model.text.vocab_size=300").model
+        )

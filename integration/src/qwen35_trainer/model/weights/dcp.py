@@ -70,7 +70,9 @@ class DcpFiles:
         try:
             metadata = self._reader.read_metadata()
         except Exception as err:  # a truncated or foreign .metadata: torch's errors vary
-            raise ValueError(f"model.weights: {self.path / METADATA} cannot be read: {err}") from err
+            raise ValueError(
+                f"model.weights: {self.path / METADATA} cannot be read: {err}"
+            ) from err
         self._reader.set_up_storage_reader(metadata, True)
         entries = metadata.state_dict_metadata
         prefix = _TRAINING_STATE if _STEP in entries else ""
