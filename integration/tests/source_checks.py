@@ -18,9 +18,9 @@ from qwen35_trainer import train
 __all__ = ["check_from_source", "matrix_folders", "matrix_references", "source_overrides"]
 
 
-def _hf_folder(folder: Path) -> Path:
+def _hf_folder(folder: Path):
     """The tiny recipe's model (no MTP head) as transformers' ``save_pretrained`` writes it, in
-    bf16, from transformers' own initialisation."""
+    bf16, from transformers' own initialisation; returns the model."""
     from helpers import tiny
     from transformers import Qwen3_5MoeForConditionalGeneration
 
@@ -28,7 +28,18 @@ def _hf_folder(folder: Path) -> Path:
 
     torch.manual_seed(0)
     config = build_config(tiny("model.mtp_layers=0").model)
-    Qwen3_5MoeForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(folder)
+    model = Qwen3_5MoeForConditionalGeneration(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    return model
+
+
+def _dcp_folder(model, folder: Path) -> Path:
+    """``model``'s state dict (transformers' runtime names, the experts stacked) as a
+    DCP-based trainer keeps its weights: ``torch.distributed.checkpoint.save`` in one process,
+    no config beside it (the recipe gives it)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(model.state_dict(), checkpoint_id=str(folder), no_dist=True)
     return folder
 
 
@@ -49,8 +60,10 @@ def _export_folder(folder: Path) -> Path:
 def matrix_folders(root: Path, fp8: Path) -> dict[str, str]:
     """Every source's folder (``resume``: the parent of the one-process step-1 checkpoints,
     one per micro-batch count, ``{resume}/micro{M}``; ``adapter``: a PEFT adapter folder)."""
+    transformers_model = _hf_folder(root / "hf")
     folders = {
-        "hf": _hf_folder(root / "hf"),
+        "hf": root / "hf",
+        "dcp": _dcp_folder(transformers_model, root / "dcp"),
         "fp8": fp8,
         "export": _export_folder(root / "export"),
         "resume": root / "resume",
@@ -139,3 +152,39 @@ def _differences(logs, reference_logs, state, reference_state, fields) -> tuple[
         ours, ref = full_tensor(value).float(), reference_state[name]
         params = max(params, float((ours - ref).norm() / ref.norm().clamp(min=1e-12)))
     return logged, params
+
+
+def check_dcp_reads_only_its_chunks(folder: str) -> list[int]:
+    """A tensor saved by every rank of the launch (dim 0 sharded: one stored chunk per rank)
+    is read by :class:`~qwen35_trainer.model.weights.dcp.DcpFiles` rows: a rank's own rows
+    touch its own chunk only, rows across two chunks touch both; the values are the saved
+    ones. Returns the chunks this rank's own rows touched."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from qwen35_trainer.model.weights.dcp import DcpFiles
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    full = torch.arange(4 * world * 3, dtype=torch.float32).reshape(4 * world, 3)
+    mesh = init_device_mesh("cpu", (world,))
+    dcp.save({"w": distribute_tensor(full, mesh, [Shard(0)])}, checkpoint_id=folder)
+    touched: list[int] = []
+    read_data = FileSystemReader.read_data
+
+    def counting(self, plan, planner):
+        touched.extend(int(item.storage_index.offset[0]) for item in plan.items)
+        return read_data(self, plan, planner)
+
+    FileSystemReader.read_data = counting
+    try:
+        files = DcpFiles(folder)
+        mine = files.rows("w", 4 * rank, 4 * rank + 4)
+        assert torch.equal(mine, full[4 * rank : 4 * rank + 4])
+        assert touched == [4 * rank], touched
+        assert torch.equal(files.rows("w", 2, 6), full[2:6])
+        assert touched[1:] == [0, 4], touched
+    finally:
+        FileSystemReader.read_data = read_data
+    return touched[:1]

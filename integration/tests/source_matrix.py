@@ -7,6 +7,9 @@ Sources (``{...}`` filled by the launch fixture with the folders test_train_matr
 
 - ``hf``: a transformers ``save_pretrained`` folder — bf16, the experts per expert, one file,
   no MTP head (transformers' model has none);
+- ``dcp``: the same model's state dict as ``torch.distributed.checkpoint.save`` writes it (a
+  DCP-based trainer's weights: the experts stacked), its config given by the recipe
+  (``model.weights``);
 - ``fp8_lora``: a folder in Qwen's FP8 release format (float8 weights with block scales, the
   MTP head's too) trained with LoRA on its frozen FP8 base;
 - ``export``: this trainer's own export — sharded safetensors with an index, the experts
@@ -42,6 +45,7 @@ PIPELINE = ("parallel.pp=2", "train.grad_accum_steps=2")
 # source -> its overrides
 MATRIX_SOURCES = {
     "hf": ("model.path={hf}", "model.mtp_layers=0"),
+    "dcp": ("model.weights={dcp}", "model.mtp_layers=0"),
     "fp8_lora": ("model.path={fp8}", *LORA, "model.lora.rank=8", "model.mtp_layers=1"),
     "export": ("model.path={export}", "model.mtp_layers=1"),
     "resume": ("model.mtp_layers=1", "train.checkpoint_dir={resume}"),
@@ -91,6 +95,7 @@ REFUSED = {
 # the fields compared: the MTP head's loss too where the source has one
 COMPARE = {
     "hf": {"fields": FIELDS},
+    "dcp": {"fields": FIELDS},
     "fp8_lora": {"fields": (*FIELDS, "mtp_loss")},
     "export": {"fields": (*FIELDS, "mtp_loss")},
     "resume": {"fields": (*FIELDS, "mtp_loss")},

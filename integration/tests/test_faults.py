@@ -79,12 +79,11 @@ def start():
 
     yield _start
     for proc in started:
-        workers = _workers(proc.pid)
+        for pid in _workers(proc.pid):  # first: they hold the launcher's output pipes open
+            _kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-        for pid in workers:
-            _kill(pid, signal.SIGKILL)
 
 
 def _kill(pid: int, signum: int) -> None:

@@ -181,3 +181,50 @@ def test_a_second_run_computes_on_its_own_meshes():
     assert len(runs) == 2 and runs[0][0] != runs[1][0], out.stdout  # each run its own groups
     for own, computed_on in runs:
         assert computed_on == own, out.stdout
+
+
+def test_each_dimension_is_named_once_and_the_layout_reads_the_table():
+    """The dimensions table (recipe/dimensions.py) gives each dimension's mesh axis, and the
+    layout's world, rank grid, worker-count product and degrees come from it; the layout holds
+    the recipe's section (it is not one) and reads its settings through."""
+    from qwen35_trainer.parallel import MeshAxis
+    from qwen35_trainer.recipe.dimensions import DIMENSIONS, degrees, product
+
+    assert {MeshAxis(d.axis) for d in DIMENSIONS} <= set(MeshAxis)
+    spec = ParallelRecipe(pp=2, dp_replicate=1, dp=3, cp=2, tp=2, ep=2, pp_schedule="gpipe")
+    dims = ParallelDims(spec, launched=24)
+    assert not isinstance(dims, ParallelRecipe)
+    assert (dims.world, spec.world, dims.dense_shape) == (24, 24, (2, 1, 3, 2, 2))
+    assert (dims.pp_schedule, dims.ep, dims.parallel) == ("gpipe", 2, spec)
+    assert degrees(spec) == dict(pp=2, dp_replicate=1, dp=3, cp=2, tp=2, ep=2)
+    assert product(spec, ones=False) == "pp 2 x dp 3 x cp 2 x tp 2"
+    assert ParallelDims(launched=4, dp=4) == ParallelDims(ParallelRecipe(dp=4), launched=4)
+
+
+@pytest.mark.parametrize(
+    ("spec", "multiple"),
+    [
+        (dict(dp=2), 8),
+        (dict(cp=4, dp=1), 8),  # CP alone: each rank's share comes from the balanced layout
+        (dict(cp=2, tp=2, dp=1), 8),  # SP: cp x tp = 4 divides 8
+        (dict(cp=3, tp=2, dp=1), 24),  # SP: lcm(8, 6)
+        (dict(tp=2, sequence_parallel=False, dp=1), 8),  # no SP: the TP ranks hold whole rows
+        (dict(pp=2, cp=3, dp=1), 24),  # PP: every stage's CP ranks send equal token counts
+    ],
+)
+def test_the_row_multiple_is_the_layouts(spec, multiple):
+    """``ParallelDims.row_multiple``, the one statement of what a packed row's length divides
+    by, and the one refusal that reads it."""
+    p = ParallelRecipe(**spec)
+    dims = ParallelDims(p, launched=p.world)
+    assert dims.row_multiple == multiple
+    recipe = SimpleNamespace(
+        parallel=p,
+        data=SimpleNamespace(packing=True, pack_length=multiple + 8),
+        model=SimpleNamespace(mtp_depth=0, lora=None),
+        train=SimpleNamespace(grad_accum_steps=2, compile=False),
+    )
+    if multiple == 8:
+        return
+    with pytest.raises(ValueError, match=rf"data.pack_length={multiple + 8} must be a multiple "):
+        validate_layout(recipe, p.world)

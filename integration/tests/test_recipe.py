@@ -131,8 +131,8 @@ def test_model_shapes_that_do_not_fit_are_refused_before_building():
         build_config(tiny("model.text.num_key_value_heads=3").model)
     with pytest.raises(
         ValueError,
-        match=r"model.weights: '/missing/dir' is not a transformers "
-        r"checkpoint directory",
+        match=r"model.weights: '/missing/dir' is neither a transformers checkpoint "
+        r"directory .* nor a torch Distributed Checkpoint folder",
     ):
         build_config(tiny("model.weights=/missing/dir").model)
 

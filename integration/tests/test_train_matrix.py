@@ -9,7 +9,12 @@ import pytest
 import torch
 from dist_checks import layout_recipe
 from layout_launch import write_fp8_base
-from source_checks import check_from_source, matrix_folders, matrix_references
+from source_checks import (
+    check_dcp_reads_only_its_chunks,
+    check_from_source,
+    matrix_folders,
+    matrix_references,
+)
 from source_matrix import MATRIX_LAYOUTS, MATRIX_SOURCES, REFUSED, ROWS, cells
 
 from dist_testkit import named_check, run_checks
@@ -40,6 +45,9 @@ def launch(request, matrix, tmp_path_factory):
         )
         for layout, source in cells(world)
     }
+    checks["dcp_chunks"] = named_check(
+        f"dcp_chunks@{world}", check_dcp_reads_only_its_chunks, str(tmp_path_factory.mktemp("dcp"))
+    )
     return checks, run_checks(list(checks.values()), world, timeout=900)
 
 
@@ -55,6 +63,23 @@ def test_layout_from_each_source_equals_one_process(launch, matrix, layout, sour
     if f"{layout}/{source}" not in checks:
         pytest.skip(f"{layout} runs at world {MATRIX_LAYOUTS[layout][2]}")
     report.assert_passed(checks[f"{layout}/{source}"])
+
+
+def test_a_dcp_folder_trains_as_its_safetensors_twin(matrix):
+    """The ``dcp`` folder (a transformers model's state dict through
+    ``torch.distributed.checkpoint.save``) trains in one process exactly as the ``hf`` folder
+    of the same model does."""
+    for micro in (1, 2):
+        (dcp_logs, dcp_state), (hf_logs, hf_state) = (matrix[1][s, micro] for s in ("dcp", "hf"))
+        assert [log.loss for log in dcp_logs] == [log.loss for log in hf_logs]
+        for name, value in hf_state.items():
+            assert torch.equal(dcp_state[name], value), name
+
+
+def test_a_rank_reads_only_the_dcp_chunks_of_its_rows(launch):
+    """source_checks.check_dcp_reads_only_its_chunks on each launch's ranks."""
+    checks, report = launch
+    report.assert_passed(checks["dcp_chunks"])
 
 
 def test_the_export_folder_trains_as_the_seeded_model(matrix):

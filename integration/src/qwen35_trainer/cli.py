@@ -60,6 +60,7 @@ from qwen35_trainer.recipe import (
     builtin_recipes,
     load_recipe,
 )
+from qwen35_trainer.recipe.dimensions import product
 from qwen35_trainer.supervise.console import Console, quiet_cpu_notices
 from qwen35_trainer.supervise.launch import Watched, launch, worker_exit
 from qwen35_trainer.supervise.preemption import Preempted, catch_stop_signals
@@ -355,9 +356,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _world_product(p) -> str:
     """How the recipe's degrees make its worker count (``--nproc N`` changes dp)."""
-    degrees = [f"{name} {getattr(p, name)}" for name in ("pp", "dp_replicate", "dp", "cp", "tp")]
-    product = " x ".join(d for d in degrees if not d.endswith(" 1")) or "1"
-    return f"{product} (--nproc N changes dp)"
+    return f"{product(p, ones=False)} (--nproc N changes dp)"
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from qwen35_trainer.model.mtp import add_mtp
 from qwen35_trainer.model.packed import enable_packing
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.weights.adapter import fp8_weights
-from qwen35_trainer.model.weights.files import CheckpointFiles
+from qwen35_trainer.model.weights.files import open_files
 from qwen35_trainer.model.weights.init import SeededInit
 from qwen35_trainer.model.weights.load import CheckpointSource
 from qwen35_trainer.model.weights.shards import local_index, read_local
@@ -48,6 +48,7 @@ __all__ = [
     "build_meta_model",
     "build_model",
     "checkpoint_block",
+    "fill_settings",
     "init_parameters",
     "materialize",
     "materialize_buffers",
@@ -95,7 +96,7 @@ def _stored_fp8(model_recipe: ModelRecipe) -> set[str] | None:
     headers), or ``None`` when the base is quantized on load (a bf16 checkpoint, or none)."""
     if model_recipe.quantization is None or model_recipe.weights_dir is None:
         return None
-    return fp8_weights(CheckpointFiles(model_recipe.weights_dir))
+    return fp8_weights(open_files(model_recipe.weights_dir))
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -198,18 +199,22 @@ def materialize(model: nn.Module, device: torch.device | str, **sources: Any) ->
     return model
 
 
+def fill_settings(model_recipe: ModelRecipe, seed: int) -> dict[str, Any]:
+    """What :func:`materialize` and :func:`module_filler` fill a model of ``model_recipe``
+    from (:func:`weight_sources`' arguments): the one place a recipe becomes weight sources."""
+    return {
+        "seed": seed,
+        "weights": model_recipe.weights_dir,
+        "init_missing_mtp": model_recipe.init_missing_mtp,
+        "block": checkpoint_block(model_recipe),
+        "lora": model_recipe.lora,
+    }
+
+
 def build_model(model_recipe: ModelRecipe, *, seed: int = 0) -> nn.Module:
     """The recipe's model on the host, unsharded: name-seeded random weights, or
     ``model_recipe.weights`` loaded."""
-    return materialize(
-        build_meta_model(model_recipe),
-        "cpu",
-        seed=seed,
-        weights=model_recipe.weights_dir,
-        init_missing_mtp=model_recipe.init_missing_mtp,
-        block=checkpoint_block(model_recipe),
-        lora=model_recipe.lora,
-    )
+    return materialize(build_meta_model(model_recipe), "cpu", **fill_settings(model_recipe, seed))
 
 
 def checkpoint_block(model_recipe: ModelRecipe) -> tuple[int, int] | None:

@@ -12,9 +12,9 @@ expert parallelism, zero grads for idle experts and per-step router statistics.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from qwen35_trainer.model.weights.files import folder_problem
 from qwen35_trainer.recipe import ModelRecipe
 
 __all__ = ["build_config", "check_shapes"]
@@ -79,14 +79,9 @@ def build_config(model_recipe: ModelRecipe) -> Any:
     # what the model builds and an export's config.json states (servers read it to load mtp.*)
     if model_recipe.mtp_depth or "mtp_num_hidden_layers" in text:
         config.text_config.mtp_num_hidden_layers = model_recipe.mtp_depth
-    if (
-        model_recipe.weights is not None
-        and not (Path(model_recipe.weights) / "config.json").is_file()
-    ):
-        raise ValueError(
-            f"model.weights: {model_recipe.weights!r} is not a transformers checkpoint directory (no "
-            "config.json there)"
-        )
+    problem = model_recipe.weights and folder_problem(model_recipe.weights)
+    if problem:
+        raise ValueError(problem)
     return config
 
 

@@ -32,13 +32,7 @@ def build_training_model(
     if recipe.model.lora is not None and recipe.train.dtype == "bfloat16":
         store_frozen(model, torch.bfloat16)  # the frozen base in bf16: no master copy needed
     objective = TrainingObjective(model, loss_chunk_size=recipe.train.loss_chunk_size)
-    fill = {
-        "seed": recipe.train.seed,
-        "weights": recipe.model.weights_dir,
-        "init_missing_mtp": recipe.model.init_missing_mtp,
-        "block": build.checkpoint_block(recipe.model),
-        "lora": recipe.model.lora,
-    }
+    fill = build.fill_settings(recipe.model, recipe.train.seed)
     # FSDP2 shards the meta model, then each rank fills its shards; megatron-fsdp fills each
     # unit's whole modules itself, module by module, as it shards them
     layout = parallelize(

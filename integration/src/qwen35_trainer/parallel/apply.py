@@ -86,7 +86,7 @@ from moe_parallel import (
     apply_tensor_parallel,
 )
 from qwen35_trainer.parallel.compile import compile_blocks
-from qwen35_trainer.parallel.dims import MeshAxis, Meshes, ParallelDims
+from qwen35_trainer.parallel.dims import ROW_UNIT, MeshAxis, Meshes, ParallelDims
 from qwen35_trainer.parallel.dist import init_distributed, world
 from qwen35_trainer.parallel.layout_checks import validate_layout
 from qwen35_trainer.parallel.megatron import shard_megatron
@@ -94,7 +94,6 @@ from qwen35_trainer.parallel.sequence_parallel import (
     SequenceParallelGrads,
     apply_sequence_parallel,
     region_parameters,
-    sequence_multiple,
 )
 from qwen35_trainer.parallel.tp_gdn import split_gated_deltanet
 from qwen35_trainer.parallel.tp_lora import split_adapters
@@ -127,11 +126,9 @@ class Layout:
 
     @property
     def row_multiple(self) -> int:
-        """What this run's packed rows are padded to a multiple of (:func:`sequence_multiple`)."""
-        if self.meshes is None:
-            return 8
-        dims = self.meshes.dims
-        return sequence_multiple(dims.cp, dims.tp, dims.sp)
+        """What this run's packed rows are padded to a multiple of
+        (:attr:`ParallelDims.row_multiple`)."""
+        return ROW_UNIT if self.meshes is None else self.meshes.dims.row_multiple
 
     @property
     def pipelined(self) -> bool:

@@ -39,16 +39,19 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_compat import flatten_mesh
 from qwen35_trainer.recipe import ParallelRecipe
+from qwen35_trainer.recipe.dimensions import RANK_DIMENSIONS, degree_problems, product, world_size
 
-__all__ = ["EP_FIRST", "FSDP_BACKENDS", "MeshAxis", "Meshes", "ParallelDims"]
+__all__ = ["EP_FIRST", "FSDP_BACKENDS", "ROW_UNIT", "MeshAxis", "Meshes", "ParallelDims"]
 
 EP_FIRST = ("cp", "dp")
+ROW_UNIT = 8  # every packed row's length divides by it (ParallelDims.row_multiple)
 FSDP_BACKENDS = ("fsdp2", "megatron")
 
 
@@ -109,43 +112,82 @@ class Meshes:
         return r * self.dims.dp + d
 
 
-@dataclasses.dataclass(frozen=True)
-class ParallelDims(ParallelRecipe):
-    """The degrees of a run (the recipe's ``parallel`` section) on the ``launched`` ranks;
-    invalid combinations raise ``ValueError`` with every reason."""
+class ParallelDims:
+    """The run's layout: the recipe's ``parallel`` section (``parallel``; or its fields as
+    keywords) on the ``launched`` ranks, validated once — invalid combinations raise
+    ``ValueError`` with every reason. The dimensions are those of
+    :data:`~qwen35_trainer.recipe.dimensions.DIMENSIONS`; the section's other settings
+    (``pp_schedule``, ``ep_first``, ...) read through as attributes."""
 
-    launched: int = 1
-
-    def __post_init__(self) -> None:
+    def __init__(
+        self, parallel: ParallelRecipe | None = None, *, launched: int = 1, **settings: Any
+    ) -> None:
+        if parallel is None:
+            parallel = ParallelRecipe(**settings)
+        elif settings:
+            raise TypeError(
+                f"ParallelDims: give the parallel section or its fields, not both ({settings})"
+            )
+        self.parallel, self.launched = parallel, launched
         reasons = self.refusals()
         if reasons:
             raise ValueError("invalid parallel layout: " + "; ".join(reasons))
 
+    def __getattr__(self, name: str) -> Any:
+        if name in _SETTINGS:
+            return getattr(self.__dict__["parallel"], name)
+        raise AttributeError(f"ParallelDims has no attribute {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ParallelDims) and (self.parallel, self.launched) == (
+            other.parallel,
+            other.launched,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.parallel, self.launched))
+
+    def __repr__(self) -> str:
+        return f"ParallelDims({self.parallel!r}, launched={self.launched})"
+
+    @property
+    def world(self) -> int:
+        """The ranks the layout needs (:func:`~qwen35_trainer.recipe.dimensions.world_size`)."""
+        return world_size(self.parallel)
+
+    @property
+    def sp(self) -> bool:
+        return self.parallel.sp
+
+    @property
+    def dense_shape(self) -> tuple[int, ...]:
+        """The degrees of the dimensions that add ranks, outermost first: the rank grid
+        ``(pp, dp_replicate, dp_shard, cp, tp)``."""
+        return tuple(getattr(self.parallel, d.key) for d in RANK_DIMENSIONS)
+
+    @property
+    def row_multiple(self) -> int:
+        """What a packed row's length must divide by (the one statement of the rule): 8, the
+        packed row's unit; and ``cp · tp`` where the CP and TP ranks must hold equal slices of
+        the row — under sequence parallelism (the balanced CP layout gives each CP rank
+        ``length / cp`` tokens, split over the TP ranks in equal slices) and under pipeline
+        parallelism (every stage's CP and TP ranks send the same number of tokens)."""
+        split = self.cp * self.tp if self.sp or self.pp > 1 else 1
+        return math.lcm(ROW_UNIT, split)
+
     def refusals(self) -> list[str]:
         """Why this layout cannot run (empty when it can)."""
-        names = {
-            "parallel.dp_replicate": self.dp_replicate,
-            "parallel.dp": self.dp,
-            "parallel.cp": self.cp,
-            "parallel.tp": self.tp,
-            "parallel.ep": self.ep,
-            "parallel.pp": self.pp,
-        }
-        bad = [
-            f"{k} must be an integer >= 1, got {v!r}"
-            for k, v in names.items()
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1
-        ]
+        bad = degree_problems(self.parallel)
         if bad:
             return bad
         reasons = []
         ranks = self.world
         if ranks != self.launched:
             reasons.append(
-                f"parallel.pp={self.pp} x dp_replicate={self.dp_replicate} x dp={self.dp} x "
-                f"cp={self.cp} x tp={self.tp} = {ranks} ranks, but the launched world size "
-                f"(WORLD_SIZE) is {self.launched}: launch with `torchrun --nproc-per-node {ranks} "
-                "...` or change the degrees (EP borrows ranks, it adds none)"
+                f"parallel.{product(self.parallel, form='{key}={value}')} = {ranks} ranks, but "
+                f"the launched world size (WORLD_SIZE) is {self.launched}: launch with "
+                f"`torchrun --nproc-per-node {ranks} ...` or change the degrees (EP borrows "
+                "ranks, it adds none)"
             )
         if (self.dp * self.cp) % self.ep:
             reasons.append(
@@ -214,13 +256,13 @@ class ParallelDims(ParallelRecipe):
         each mesh is built over all stages (a leading ``pp`` dim) and sliced at this rank's."""
         _forget_earlier_meshes()
         a = MeshAxis
-        names = (a.DP_REPLICATE, a.DP_SHARD, a.CP, a.TP)
-        shape = (self.dp_replicate, self.dp, self.cp, self.tp)
-        if self.pp == 1:
+        pp, *shape = self.dense_shape  # (pp, dp_replicate, dp_shard, cp, tp)
+        names = tuple(MeshAxis(d.axis) for d in RANK_DIMENSIONS[1:])
+        if pp == 1:
             dense = init_device_mesh(device_type, shape, mesh_dim_names=names)
             staged = None
         else:
-            staged = init_device_mesh(device_type, (self.pp, *shape), mesh_dim_names=(a.PP, *names))
+            staged = init_device_mesh(device_type, (pp, *shape), mesh_dim_names=(a.PP, *names))
             dense = staged[names]
         batch = flatten_mesh(dense, (a.DP_REPLICATE, a.DP_SHARD, a.CP), a.BATCH)
         shard = flatten_mesh(dense, (a.DP_SHARD, a.CP))
@@ -240,7 +282,10 @@ class ParallelDims(ParallelRecipe):
     @classmethod
     def from_recipe(cls, parallel: ParallelRecipe, world: int) -> ParallelDims:
         """The recipe's ``parallel`` section on ``world`` launched ranks."""
-        return cls(**dataclasses.asdict(parallel), launched=world)
+        return cls(parallel, launched=world)
+
+
+_SETTINGS = frozenset(f.name for f in dataclasses.fields(ParallelRecipe))
 
 
 def _forget_earlier_meshes() -> None:

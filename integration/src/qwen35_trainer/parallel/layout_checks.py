@@ -10,7 +10,6 @@ from qwen35_trainer.parallel.dims import ParallelDims
 from qwen35_trainer.parallel.megatron import megatron_refusals
 from qwen35_trainer.parallel.pipeline_split import pipeline_refusals
 from qwen35_trainer.parallel.requirements import machine_refusals
-from qwen35_trainer.parallel.sequence_parallel import sequence_multiple
 
 __all__ = ["lora_refusals", "model_refusals", "validate_layout"]
 
@@ -95,13 +94,14 @@ def validate_layout(
             "parallel.tp > 1 needs data.packing: the TP-split Gated DeltaNet layers run "
             "cp-varlen-attn's packed forward on this rank's heads"
         )
-    multiple = sequence_multiple(parallel.cp, parallel.tp, parallel.sp)
     length = recipe.data.pack_length
-    if packing and parallel.sp and length is not None and length % multiple:
+    split = dims is not None and (parallel.sp or parallel.pp > 1)
+    if split and packing and length is not None and length % dims.row_multiple:
+        under = "sequence parallelism" if parallel.sp else "parallel.pp > 1"
         reasons.append(
-            f"data.pack_length={length} must be a multiple of {multiple} under sequence "
-            f"parallelism (8 and cp x tp = {parallel.cp * parallel.tp}: every CP rank's tokens "
-            "split over the TP ranks in equal slices)"
+            f"data.pack_length={length} must be a multiple of {dims.row_multiple} under {under} "
+            f"(8 and cp x tp = {parallel.cp * parallel.tp}: the CP and TP ranks hold equal "
+            "slices of every row, ParallelDims.row_multiple)"
         )
     reasons += megatron_refusals(recipe) + lora_refusals(recipe)
     reasons += pipeline_refusals(recipe, None if config is None else config.text_config)

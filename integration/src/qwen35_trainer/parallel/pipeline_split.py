@@ -109,13 +109,6 @@ def pipeline_refusals(recipe: Any, text_config: Any | None) -> list[str]:
             "parallel.tp > 1 with parallel.pp > 1 runs with sequence parallelism (the stages "
             "pass each TP rank's slice of the tokens): leave parallel.sequence_parallel on"
         )
-    split = p.cp * p.tp
-    if data.pack_length and data.pack_length % split:
-        reasons.append(
-            f"data.pack_length={data.pack_length} must be a multiple of parallel.cp x tp = "
-            f"{split} under parallel.pp > 1: every CP and TP rank sends the same number of "
-            "tokens"
-        )
     if p.fsdp_backend != "fsdp2":
         reasons.append("parallel.pp > 1 runs with parallel.fsdp_backend=fsdp2 only")
     if text_config is not None and kind is not None:

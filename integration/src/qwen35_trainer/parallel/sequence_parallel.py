@@ -24,7 +24,7 @@ residual stream is split on the sequence dim over the TP ranks:
 
 Tokens are split in equal contiguous slices of the CP rank's local sequence (packed rows, one
 row; the row is padded so that every CP rank's tokens divide by ``tp``,
-:func:`sequence_multiple`).
+:attr:`qwen35_trainer.parallel.ParallelDims.row_multiple`).
 
 The gradient rule (:func:`sum_sequence_parallel_grads`): a parameter the TP plan does not split
 that runs inside a region (the layer norms and the decoder's final norm, the routers, the
@@ -37,7 +37,6 @@ TP already in the backward (:mod:`qwen35_trainer.parallel.tp_gdn`, DTensor).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -53,7 +52,6 @@ __all__ = [
     "reduce_scatter_to_sequence",
     "region_parameters",
     "scatter_to_sequence",
-    "sequence_multiple",
     "sum_sequence_parallel_grads",
 ]
 
@@ -142,13 +140,6 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> tor
     """Partial results summed over the TP group, this rank keeping its slice; the backward
     all-gathers."""
     return _ToSlice.apply(x, group, dim, True)
-
-
-def sequence_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
-    """What a packed row's length must divide by: 8, and ``cp · tp`` under SP (every CP rank's
-    tokens then split over the TP ranks in equal slices; the balanced CP layout gives each CP
-    rank ``length / cp`` tokens)."""
-    return math.lcm(8, cp * tp) if sequence_parallel else 8
 
 
 def _enter(group: Any):

@@ -18,8 +18,7 @@ def crossing_groups(dims: ParallelDims, node_gpus: int) -> set[str]:
     ``pp_p2p``) whose process groups span more than one node of ``node_gpus`` consecutive
     ranks, from the trainer's own rank grids (:meth:`ParallelDims.expert_grid`; the dense mesh
     is ``(pp, dp_replicate, dp_shard, cp, tp)`` in rank order)."""
-    pp, r, d, c, t = dims.pp, dims.dp_replicate, dims.dp, dims.cp, dims.tp
-    dense = torch.arange(dims.world).reshape(pp, r, d, c, t)
+    dense = torch.arange(dims.world).reshape(dims.dense_shape)
     expert = torch.stack([dims.expert_grid(stage) for stage in dense])  # [pp, r, efsdp, ep, t]
 
     def spans(grid: torch.Tensor, dim: int | tuple[int, ...]) -> bool:

@@ -34,6 +34,7 @@ from qwen35_trainer.plan.stages import StageView, bubble_fraction, p2p_bytes, st
 from qwen35_trainer.plan.traffic import communication
 from qwen35_trainer.plan.work import Work, rank_work, step_model_flops
 from qwen35_trainer.plan.world import fake_world
+from qwen35_trainer.recipe.dimensions import degrees
 
 __all__ = ["GIB", "Plan", "Step", "communication", "plan", "rank_processes", "row_shape"]
 
@@ -319,8 +320,7 @@ def plan(
         p.async_tp,
     )
     active = total - routed + routed * text.num_experts_per_tok // text.num_experts
-    keys = ("pp", "dp_replicate", "dp", "cp", "tp", "ep")
-    layout = {k: getattr(recipe.parallel, k) for k in keys}
+    layout = degrees(recipe.parallel)
     return Plan(
         name,
         world,

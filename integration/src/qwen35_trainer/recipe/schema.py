@@ -10,6 +10,7 @@ import dataclasses
 import os
 
 from qwen35_trainer.recipe.data_schema import DataRecipe
+from qwen35_trainer.recipe.dimensions import product, world_size
 from qwen35_trainer.recipe.model_schema import LoRARecipe, ModelRecipe
 from qwen35_trainer.recipe.rules import refuse
 
@@ -180,7 +181,9 @@ class ParallelRecipe:
     ``dp_replicate * dp * cp * tp``. ``ep``: expert-parallel ranks, borrowed from the ``dp * cp``
     ranks (it must divide ``dp * cp`` and every MoE's expert count); ``ep_first``: which of
     ``cp`` / ``dp`` an EP group takes its ranks from first (``cp``: EP groups inside one CP
-    group while ``ep <= cp``). See :class:`qwen35_trainer.parallel.ParallelDims`.
+    group while ``ep <= cp``). The dimensions are named once in
+    :mod:`qwen35_trainer.recipe.dimensions`; the runtime layout is
+    :class:`qwen35_trainer.parallel.ParallelDims`.
 
     ``sequence_parallel``: between the TP regions each TP rank holds 1/tp of the tokens
     (:mod:`qwen35_trainer.parallel.sequence_parallel`); ``None`` turns it on whenever
@@ -221,20 +224,21 @@ class ParallelRecipe:
 
     @property
     def world(self) -> int:
-        """The ranks the layout needs: ``pp * dp_replicate * dp * cp * tp``."""
-        return self.pp * self.dp_replicate * self.dp * self.cp * self.tp
+        """The ranks the layout needs: the product of the degrees that add ranks
+        (:mod:`qwen35_trainer.recipe.dimensions`: ``pp * dp_replicate * dp * cp * tp``)."""
+        return world_size(self)
 
     def filling(self, world: int, what: str) -> ParallelRecipe:
-        """This layout with ``dp`` chosen so it fills ``world`` ranks (CP, EP, TP and HSDP
-        replicas kept); ``ValueError`` naming ``what`` asked for it (``--nproc``,
-        ``--world-size``) when no data-parallel degree does."""
-        per_dp = self.pp * self.dp_replicate * self.cp * self.tp
+        """This layout with ``dp`` chosen so it fills ``world`` ranks (every other degree
+        kept); ``ValueError`` naming ``what`` asked for it (``--nproc``, ``--world-size``) when
+        no data-parallel degree does."""
+        per_dp = world_size(self, without=("dp",))
         if world < 1 or world % per_dp:
+            keys = product(self, form="{key}", without=("dp",))
+            values = product(self, form="{value}", without=("dp",))
             raise ValueError(
-                f"{what} {world} is not a multiple of parallel.pp x dp_replicate x cp x tp = "
-                f"{self.pp} x {self.dp_replicate} x {self.cp} x {self.tp} = {per_dp} (kept "
-                "fixed), so no "
-                "data-parallel degree fills it"
+                f"{what} {world} is not a multiple of parallel.{keys} = {values} = {per_dp} "
+                "(kept fixed), so no data-parallel degree fills it"
             )
         return dataclasses.replace(self, dp=world // per_dp)
 

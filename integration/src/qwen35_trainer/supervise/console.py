@@ -17,6 +17,7 @@ from qwen35_trainer.model.lora.adapters import is_adapter
 from qwen35_trainer.model.pipeline.build import stage_layers
 from qwen35_trainer.model.whole import whole_parameters
 from qwen35_trainer.recipe import Recipe
+from qwen35_trainer.recipe.dimensions import product
 from qwen35_trainer.recipe.hub import HUB_KEYS
 from qwen35_trainer.supervise.metrics import StepLog
 
@@ -51,8 +52,7 @@ def what_runs(
             compiled = "on (the TP-split layers for static shapes: one graph per row length"
             compiled += ")" if data.pack_length else "; set data.pack_length for one graph)"
     lines = [
-        f"layout: pp {p.pp} x dp_replicate {p.dp_replicate} x dp {p.dp} x cp {p.cp} x tp "
-        f"{p.tp}, ep {p.ep} "
+        f"layout: {product(p)}, ep {p.ep} "
         f"(ep_first {p.ep_first}) on {world} rank(s), {backend} on {device.type}; "
         f"{sharding}{tp_extras}",
         f"precision: {training.dtype}; activation checkpointing "

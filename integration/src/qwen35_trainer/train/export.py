@@ -50,7 +50,7 @@ from qwen35_trainer.model import build_training_model, export_hf
 from qwen35_trainer.model.lora.peft_export import LORA_FORMATS, saved_modules, write_adapter
 from qwen35_trainer.model.weights.adapter import expert_layout
 from qwen35_trainer.model.weights.export import FP8Export
-from qwen35_trainer.model.weights.files import CheckpointFiles
+from qwen35_trainer.model.weights.files import open_files
 from qwen35_trainer.model.weights.stored import SCALE_SUFFIX
 from qwen35_trainer.parallel.dist import any_rank, device, init_distributed, rank, world
 from qwen35_trainer.parallel.resources import RunResources, open_run
@@ -137,7 +137,7 @@ def _per_expert(recipe: Recipe, experts: str) -> bool:
     if experts != "source":
         return experts == "per_expert"
     source = recipe.model.weights_dir
-    return bool(source) and expert_layout(CheckpointFiles(source)) == "per_expert"
+    return bool(source) and expert_layout(open_files(source)) == "per_expert"
 
 
 def _dtype(recipe: Recipe, dtype: str | None) -> torch.dtype | None:
@@ -157,7 +157,7 @@ def _fp8_export(recipe: Recipe) -> FP8Export:
     config = _source_config(recipe).get("quantization_config")
     scale_dtype = torch.float32
     if config is not None:
-        files = CheckpointFiles(model.weights_dir)
+        files = open_files(model.weights_dir)
         scales = [k for k in files.where if k.endswith(SCALE_SUFFIX)]
         scale_dtype = torch.bfloat16 if scales and files.dtype(scales[0]) == "BF16" else scale_dtype
     else:

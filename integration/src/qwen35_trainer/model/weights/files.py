@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MAPPED_WINDOW_BYTES", "CheckpointFiles"]
+__all__ = ["MAPPED_WINDOW_BYTES", "CheckpointFiles", "folder_problem", "open_files"]
 
 
 # Bytes read through one open file before it is closed and reopened: safetensors maps the file
@@ -78,3 +78,28 @@ class CheckpointFiles:
         if self._read[name] >= self.window_bytes:
             del self._handles[name]  # unmaps the pages read so far
         return rows
+
+
+def open_files(path: str | Path, *, window_bytes: int | None = None):
+    """The tensors of weight folder ``path``, by its kind: a torch Distributed Checkpoint
+    folder (:class:`~qwen35_trainer.model.weights.dcp.DcpFiles`), else safetensors
+    (:class:`CheckpointFiles`). Both offer ``where``, ``shape``, ``dtype`` and ``rows``."""
+    from qwen35_trainer.model.weights.dcp import DcpFiles, is_dcp_folder
+
+    kind = DcpFiles if is_dcp_folder(path) else CheckpointFiles
+    return kind(path, window_bytes=window_bytes)
+
+
+def folder_problem(path: str | Path) -> str | None:
+    """Why ``model.weights`` folder ``path`` (its config given by the recipe) holds no
+    weights this trainer reads, or ``None``: a transformers folder (its ``config.json``) or a
+    torch Distributed Checkpoint folder (its ``.metadata``)."""
+    from qwen35_trainer.model.weights.dcp import is_dcp_folder
+
+    folder = Path(path)
+    if (folder / "config.json").is_file() or is_dcp_folder(folder):
+        return None
+    return (
+        f"model.weights: {str(path)!r} is neither a transformers checkpoint directory (no "
+        "config.json there) nor a torch Distributed Checkpoint folder (no .metadata there)"
+    )

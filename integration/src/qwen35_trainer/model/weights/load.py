@@ -1,4 +1,7 @@
-"""A transformers checkpoint directory as a weight source: read straight into this rank's shards.
+"""A checkpoint folder as a weight source, read straight into this rank's shards: a transformers
+directory (safetensors) or a torch Distributed Checkpoint folder of model state
+(:func:`~qwen35_trainer.model.weights.files.open_files` tells them apart; both are read by row
+spans, so what follows holds for either).
 
 :class:`CheckpointSource` plans the whole load from metadata only (:class:`~qwen35_trainer.
 model.weights.adapter.StateDictAdapter`: the on-disk tensors of each runtime tensor, their shapes
@@ -35,7 +38,7 @@ from qwen35_trainer.model.lora.adapters import is_adapter
 from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.weights.adapter import StateDictAdapter
-from qwen35_trainer.model.weights.files import CheckpointFiles
+from qwen35_trainer.model.weights.files import open_files
 from qwen35_trainer.model.weights.shards import local_index, read_local
 from qwen35_trainer.model.weights.sources import RowReader, listed, plan_fill
 from qwen35_trainer.model.weights.stored import Stored
@@ -47,9 +50,9 @@ logger = logging.getLogger("qwen35_trainer")
 
 
 class CheckpointSource:
-    """The weight source of checkpoint directory ``path`` (``block``: an FP8 checkpoint's
-    ``weight_block_size``; ``window_bytes``: :class:`~qwen35_trainer.model.weights.files.
-    CheckpointFiles`'s mapped window). Module docstring."""
+    """The weight source of checkpoint folder ``path`` (``block``: an FP8 checkpoint's
+    ``weight_block_size``; ``window_bytes``: the safetensors reader's mapped window,
+    :class:`~qwen35_trainer.model.weights.files.CheckpointFiles`). Module docstring."""
 
     def __init__(
         self,
@@ -69,7 +72,7 @@ class CheckpointSource:
     def plan(self, whole: list[WholeParameter], problems: list[str]) -> dict[str, RowReader]:
         mtp = [p for p in whole if p.name.startswith(MTP_PREFIX)]
         try:
-            files = CheckpointFiles(self.path, window_bytes=self.window_bytes)
+            files = open_files(self.path, window_bytes=self.window_bytes)
         except ValueError as err:
             self._unreadable = True
             problems.append(str(err))
