@@ -83,8 +83,10 @@ class DcpFiles:
         }
         if not self._stored:
             raise ValueError(f"model.weights: no tensor of model state in {self.path}")
-        files = metadata.storage_data or {}
-        self.where = {key: _file_of(fqn, files) for key, (fqn, _) in self._stored.items()}
+        first: dict[str, str] = {}  # each tensor's first stored chunk's file, in one pass
+        for index, info in (metadata.storage_data or {}).items():
+            first.setdefault(index.fqn, info.relative_path)
+        self.where = {key: first.get(fqn, METADATA) for key, (fqn, _) in self._stored.items()}
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._stored[key][1].size)
@@ -98,25 +100,14 @@ class DcpFiles:
         """Rows ``lo:hi`` of tensor ``key`` (dim 0), as stored."""
         fqn, md = self._stored[key]
         size = tuple(md.size)
-        rows = torch.empty((max(hi - lo, 0), *size[1:]), dtype=md.properties.dtype)
-        if not size:  # a scalar: its one chunk
-            rows = torch.empty((), dtype=md.properties.dtype)
-            wanted = ChunkStorageMetadata(offsets=torch.Size([]), sizes=torch.Size([]))
-        else:
-            offsets = torch.Size([lo, *(0 for _ in size[1:])])
-            wanted = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(rows.shape))
+        shape = (max(hi - lo, 0), *size[1:]) if size else ()  # a scalar: its one chunk
+        rows = torch.empty(shape, dtype=md.properties.dtype)
+        offsets = torch.Size([lo, *(0 for _ in size[1:])] if size else [])
+        wanted = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(shape))
         items = create_read_items_for_chunk_list(fqn, md, [wanted])
         if items:
             self._reader.read_data(LoadPlan(items), _Into(rows)).wait()
         return rows
-
-
-def _file_of(fqn: str, files: dict) -> str:
-    """The file holding ``fqn``'s first stored chunk."""
-    for index, info in files.items():
-        if index.fqn == fqn:
-            return info.relative_path
-    return METADATA
 
 
 class _Into(LoadPlanner):
