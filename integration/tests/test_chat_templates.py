@@ -34,9 +34,7 @@ def _encoder(demo, tmp_path, template, **data):
     processor = byte_processor(tmp_path / "processor", template, demo / "processor")
     sets = [f"data.{k}={v}" for k, v in data.items()]
     recipe = load_recipe("tiny", [*ONE_PROCESS, *MODEL, f"data.processor={processor}", *sets])
-    return ConversationEncoder.from_recipe(
-        recipe.data, recipe.model, build_config(recipe.model), str(processor)
-    )
+    return ConversationEncoder.from_recipe(recipe.data, recipe.model, build_config(recipe.model))
 
 
 def _runs(encoder, sample) -> list[str]:

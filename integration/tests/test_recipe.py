@@ -8,6 +8,7 @@ import pytest
 from helpers import TINY, tiny
 
 from qwen35_trainer import build_config, load_recipe, recipe_from_dict
+from qwen35_trainer.data.demo import demo_dir
 from qwen35_trainer.recipe import builtin_recipes, recipe_path
 
 
@@ -36,7 +37,8 @@ def test_base_is_merged_key_by_key_and_overrides_apply_last(tmp_path):
 def test_paths_are_relative_to_the_recipe_file_that_states_them(tmp_path, monkeypatch):
     """A base in another folder, a derived recipe, an override: each relative input path
     resolves against the file (or, for ``--set``, the working directory) that states it;
-    outputs stay relative to the working directory; ``builtin:`` paths stay as they are."""
+    outputs stay relative to the working directory; a ``builtin:`` path becomes the demo
+    folder's file, once, when the recipe is built (every reader sees a local path)."""
     (tmp_path / "shared").mkdir()
     (tmp_path / "project").mkdir()
     (tmp_path / "shared" / "base.yaml").write_text(
@@ -49,7 +51,8 @@ def test_paths_are_relative_to_the_recipe_file_that_states_them(tmp_path, monkey
     r = load_recipe("project/run.yaml")
     assert r.data.path == str(tmp_path / "shared" / "data" / "train.jsonl")
     assert r.data.processor == str(tmp_path / "project" / "proc")
-    assert r.data.eval_path == "builtin:demo/heldout.jsonl"
+    assert r.data.eval_path == str(demo_dir() / "heldout.jsonl")
+    assert Path(r.data.eval_path).is_file()
     assert r.train.output_dir == "runs/x"
     r = load_recipe("project/run.yaml", ["data.path=mine.jsonl", "model.weights=~/w"])
     assert r.data.path == str(tmp_path / "mine.jsonl")

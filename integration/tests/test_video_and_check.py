@@ -65,9 +65,7 @@ def test_timestamps_are_those_of_the_frames_sampled(demo, tmp_path, video_fps, e
     if video_fps:
         sets.append(f"data.video_fps={video_fps}")
     recipe = load_recipe("tiny", sets)
-    encoder = ConversationEncoder.from_recipe(
-        recipe.data, recipe.model, build_config(recipe.model), str(processor)
-    )
+    encoder = ConversationEncoder.from_recipe(recipe.data, recipe.model, build_config(recipe.model))
     row = {
         "messages": [
             {
@@ -106,9 +104,7 @@ def _pack(lengths: list[int], shards: int, capacity: int) -> tuple[int, int]:
 def test_data_check_reports_the_loaders_rows_and_fill(demo, capsys):
     sets = ["data.global_batch=4", "data.pack_length=96", "data.shuffle=false"]
     recipe = demo_recipe(demo, *sets)
-    encoder = ConversationEncoder.from_recipe(
-        recipe.data, recipe.model, build_config(recipe.model), str(demo / "processor")
-    )
+    encoder = ConversationEncoder.from_recipe(recipe.data, recipe.model, build_config(recipe.model))
     import json
 
     config = build_config(recipe.model)

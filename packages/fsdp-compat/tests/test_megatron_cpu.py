@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import shutil
 import tempfile
 
 import pytest
@@ -167,39 +168,49 @@ def check_dcp_checkpoint_loads_into_fsdp2() -> None:
     """A DCP checkpoint of megatron-fsdp's model and optimizer (:func:`dcp_ready`) holds the
     global tensors: FSDP2 shards of a fresh model load exactly the same weights and Adam
     moments; a rank lacking a tensor the others hold is one error on every rank."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     with cpu_cuda_streams():
         mesh = make_mesh((dist.get_world_size(), 1), ("dp", "tp"))
         sharded, optimizer = _trained_megatron(mesh)
         where = [tempfile.mkdtemp(prefix="fsdp_compat_dcp_") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(where)
-        megatron_state, optim_state = get_state_dict(sharded.module, optimizer)
-        dcp_ready(sharded, megatron_state, optim_state)
-        dcp.save({"model": megatron_state, "optim": optim_state}, checkpoint_id=where[0])
-        saved = {n: full_tensor(p) for n, p in sharded.module.named_parameters()}
-        moments = {n: full_tensor(optimizer.state[p]["exp_avg"])
-                   for n, p in sharded.module.named_parameters()}  # fmt: skip
+        try:
+            _save_and_load(sharded, optimizer, where[0])
+        finally:
+            dist.barrier()  # every rank done with the folder before rank 0 removes it
+            if dist.get_rank() == 0:
+                shutil.rmtree(where[0])
 
-        fresh = TinyTransformer()
-        shard_model(fresh, make_mesh((dist.get_world_size(),), ("dp",)))
-        fresh_optimizer = _adamw(fresh)
-        model_state, optim_state = get_state_dict(fresh, fresh_optimizer)
-        dcp_ready(fresh, model_state, optim_state)  # FSDP2: nothing to do
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=where[0])
-        set_state_dict(fresh, fresh_optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])  # fmt: skip
-        for name, p in fresh.named_parameters():
-            assert_close(full_tensor(p), saved[name], rtol=0, atol=0, name=name)
-            exp_avg = full_tensor(fresh_optimizer.state[p]["exp_avg"])
-            assert_close(exp_avg, moments[name], rtol=0, atol=0, name=f"{name} exp_avg")
 
-        uneven = dict(megatron_state)
-        if dist.get_rank() == 1:
-            del uneven["head.weight"]
-        with pytest.raises(ValueError, match=r"rank 1 lacks 1, e\.g\. \['head\.weight'\]"):
-            dcp_ready(sharded, uneven)
+def _save_and_load(sharded, optimizer, where: str) -> None:
+    """:func:`check_dcp_checkpoint_loads_into_fsdp2`'s body, on the folder ``where``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    megatron_state, optim_state = get_state_dict(sharded.module, optimizer)
+    dcp_ready(sharded, megatron_state, optim_state)
+    dcp.save({"model": megatron_state, "optim": optim_state}, checkpoint_id=where)
+    saved = {n: full_tensor(p) for n, p in sharded.module.named_parameters()}
+    moments = {n: full_tensor(optimizer.state[p]["exp_avg"])
+               for n, p in sharded.module.named_parameters()}  # fmt: skip
+
+    fresh = TinyTransformer()
+    shard_model(fresh, make_mesh((dist.get_world_size(),), ("dp",)))
+    fresh_optimizer = _adamw(fresh)
+    model_state, optim_state = get_state_dict(fresh, fresh_optimizer)
+    dcp_ready(fresh, model_state, optim_state)  # FSDP2: nothing to do
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=where)
+    set_state_dict(fresh, fresh_optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])  # fmt: skip
+    for name, p in fresh.named_parameters():
+        assert_close(full_tensor(p), saved[name], rtol=0, atol=0, name=name)
+        exp_avg = full_tensor(fresh_optimizer.state[p]["exp_avg"])
+        assert_close(exp_avg, moments[name], rtol=0, atol=0, name=f"{name} exp_avg")
+
+    uneven = dict(megatron_state)
+    if dist.get_rank() == 1:
+        del uneven["head.weight"]
+    with pytest.raises(ValueError, match=r"rank 1 lacks 1, e\.g\. \['head\.weight'\]"):
+        dcp_ready(sharded, uneven)
 
 
 def check_full_tensor_of_fsdp2_shards() -> None:

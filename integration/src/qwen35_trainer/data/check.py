@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from qwen35_trainer.data.demo import resolve
 from qwen35_trainer.data.loader import DataStream
 from qwen35_trainer.data.rows import open_rows
 from qwen35_trainer.parallel import Layout
@@ -69,7 +68,7 @@ def check_dataset(recipe: Any, config: Any, limit: int | None = None) -> DataRep
     data = recipe.data
     if not data.path:
         raise ValueError("data check needs data.path (a data.source iterable is the user's code)")
-    path = resolve(data.path)
+    path = data.path
     total = len(open_rows(path, data.split, data.subset_of(False)))
     count = total if limit is None else min(limit, total)
     checked = dataclasses.replace(recipe, data=dataclasses.replace(data, on_bad_row="skip"))
@@ -94,7 +93,7 @@ def check_dataset(recipe: Any, config: Any, limit: int | None = None) -> DataRep
     temporal = config.vision_config.temporal_patch_size
     return DataReport(
         path=str(path),
-        processor=str(resolve(data.processor)),
+        processor=str(data.processor),
         rows_read=count,
         rows_total=total,
         samples=len(docs),

@@ -80,9 +80,9 @@ class ConversationEncoder:
         self._processor = self._shape = None
 
     @classmethod
-    def from_recipe(cls, data: Any, model: Any, config: Any, processor_dir: str):
-        """The encoder a recipe's ``data`` and ``model`` sections describe (``processor_dir``:
-        ``data.processor`` resolved)."""
+    def from_recipe(cls, data: Any, model: Any, config: Any):
+        """The encoder a recipe's ``data`` and ``model`` sections describe (the processor:
+        ``data.processor``, a local folder once the recipe is built)."""
         ids = TokenIds(
             model.image_token_id,
             model.video_token_id,
@@ -90,7 +90,7 @@ class ConversationEncoder:
             model.vision_end_token_id,
         )
         return cls(
-            processor_dir,
+            data.processor,
             ids,
             config,
             train_on=data.train_on,

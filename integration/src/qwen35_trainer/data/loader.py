@@ -47,7 +47,6 @@ from torch.utils.data import DataLoader
 
 from qwen35_trainer.data.batch import IGNORE_INDEX, Sample
 from qwen35_trainer.data.conversation import ConversationEncoder, DataError
-from qwen35_trainer.data.demo import resolve
 from qwen35_trainer.data.sources import RankDocuments
 
 __all__ = ["DataStream", "StepData", "truncate"]
@@ -152,12 +151,10 @@ class DataStream:
     ) -> None:
         data = recipe.data
         self.data, self.layout, self.device = data, layout, device
-        self.encoder = ConversationEncoder.from_recipe(
-            data, recipe.model, config, resolve(data.processor)
-        )
+        self.encoder = ConversationEncoder.from_recipe(data, recipe.model, config)
         self.encoder.check_template()  # the same verdict on every rank, before any collective
         self.reading = {
-            "path": resolve(data.eval_path if eval else data.path),
+            "path": data.eval_path if eval else data.path,
             "source": None if eval else data.source,
             "split": data.eval_split if eval else data.split,
             "subset": data.subset_of(eval),

@@ -30,7 +30,7 @@ with ``data.pack_length`` set (every real dataset) has one row length, so one gr
 
 Compiling changes no result beyond floating-point reassociation by Inductor's fused kernels:
 tests compare compiled runs with eager (one process, with checkpointing) and with one process
-(DP 2 x CP 2 x EP 2, and TP 2 with sequence parallelism) over three steps at rel 1e-5. Inside a
+(CP 2 x EP 2, and TP 2 with sequence parallelism) over three steps at rel 1e-5. Inside a
 block the functions whose Python follows each row's layout or its routed token counts
 (cp-varlen-attn's attention and delta rule, moe-parallel's routed experts) run eagerly: they are
 excluded from compilation.

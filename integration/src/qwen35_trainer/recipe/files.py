@@ -1,9 +1,10 @@
 """Recipe files: YAML read into the schema (:mod:`.schema`), with ``base:`` derivation, ``--set``
 overrides, YAML 1.1 number strings read as numbers, the built-in recipes by name, the input
 paths made absolute (:data:`INPUT_PATHS`: relative to the recipe file that states them; a
-Hugging Face Hub id with no local path of its name kept as written), the Hub ids resolved to
-their snapshots (:mod:`.hub`), and ``model.path``'s ``config.json`` applied
-(:mod:`.model_path`)."""
+Hugging Face Hub id with no local path of its name kept as written), ``builtin:demo/...`` paths
+made the demo dataset's files (written on first use), the Hub ids resolved to their snapshots
+(:mod:`.hub`), and ``model.path``'s ``config.json`` applied (:mod:`.model_path`). Each happens
+once, when the recipe is built: every reader of a built recipe reads a local path."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from qwen35_trainer.data.demo import resolve as resolve_builtin
 from qwen35_trainer.recipe.hub import hub_shaped, with_hub_snapshots
 from qwen35_trainer.recipe.model_path import with_checkpoint_config
 from qwen35_trainer.recipe.schema import Recipe
@@ -51,21 +53,37 @@ def _anchored(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     against ``folder`` (``~`` expanded; ``builtin:`` paths and absolute ones unchanged, and a
     Hub id, ``org/name``, when ``folder`` holds nothing of that name); the base checkpoint as
     written is kept as ``model.base_as_written``."""
+    for values, key in _input_values(data):
+        value = values[key]
+        if isinstance(value, str) and value and not value.startswith("builtin:"):
+            local = os.path.normpath(folder / Path(value).expanduser())
+            if not hub_shaped(value) or os.path.exists(local):  # a local path wins
+                values[key] = local
+            if values is data.get("model") and key in ("path", "weights"):
+                values.setdefault("base_as_written", value)  # what an adapter export names
+    return data
+
+
+def _input_values(data: dict[str, Any]):
+    """``(values, key)`` for each input path :data:`INPUT_PATHS` names that ``data`` holds
+    (``values``: the mapping that holds it, nested sections included)."""
     for section, keys in INPUT_PATHS.items():
         for dotted in keys:
             *parents, key = dotted.split(".")
             values = data.get(section)
             for parent in parents:  # a nested section (model.lora)
                 values = values.get(parent) if isinstance(values, dict) else None
-            if not isinstance(values, dict):
-                continue
-            value = values.get(key)
-            if isinstance(value, str) and value and not value.startswith("builtin:"):
-                local = os.path.normpath(folder / Path(value).expanduser())
-                if not hub_shaped(value) or os.path.exists(local):  # a local path wins
-                    values[key] = local
-                if section == "model" and dotted in ("path", "weights"):
-                    values.setdefault("base_as_written", value)  # what an adapter export names
+            if isinstance(values, dict) and key in values:
+                yield values, key
+
+
+def _with_builtin_paths(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with each ``builtin:demo/REST`` input the demo folder's ``REST`` (the folder
+    written first if missing: :func:`qwen35_trainer.data.demo.ensure_demo`)."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for values, key in _input_values(data):
+        if isinstance(values[key], str) and values[key].startswith("builtin:"):
+            values[key] = resolve_builtin(values[key])
     return data
 
 
@@ -176,14 +194,16 @@ def _section(name: str, cls: type, values: Any) -> Any:
 
 
 def recipe_from_dict(data: Mapping[str, Any], *, hub_weights: bool = True) -> Recipe:
-    """A :class:`Recipe` from a mapping of sections (what a YAML recipe holds); its Hub ids
-    resolved to snapshots (:mod:`.hub`; ``hub_weights``: with a model's safetensors)."""
+    """A :class:`Recipe` from a mapping of sections (what a YAML recipe holds); its built-in
+    paths made the demo's files, its Hub ids resolved to snapshots (:mod:`.hub`;
+    ``hub_weights``: with a model's safetensors)."""
     unknown = sorted(set(data) - set(_SECTIONS))
     if unknown:
         raise ValueError(f"unknown recipe section(s) {unknown}; known: {sorted(_SECTIONS)}")
     if "model" not in data:
         raise ValueError("a recipe needs a 'model' section")
-    data = with_checkpoint_config(with_hub_snapshots(dict(data), weights=hub_weights))
+    data = _with_builtin_paths(dict(data))
+    data = with_checkpoint_config(with_hub_snapshots(data, weights=hub_weights))
     hints = typing.get_type_hints(Recipe)
     return Recipe(**{name: _section(name, hints[name], data[name]) for name in data})
 

@@ -59,6 +59,7 @@ def _read(path: str) -> dict[str, Any]:
         "vision": {k: v for k, v in vision.items() if k not in _BOOKKEEPING},
         **{k: config.get(k) for k in TOKEN_IDS},
         "quantization": config.get("quantization_config"),
+        "stored_dtype": config.get("dtype") or config.get("torch_dtype"),
     }
 
 
@@ -129,6 +130,11 @@ def with_checkpoint_config(data: dict[str, Any]) -> dict[str, Any]:
             f"model.quantization: recipe {model['quantization']!r}, checkpoint's "
             f"quantization_config {disk['quantization']!r}"
         )
+    if model.get("stored_dtype") not in (None, disk["stored_dtype"]):
+        disagree.append(
+            f"model.stored_dtype: recipe {model['stored_dtype']!r}, checkpoint's dtype "
+            f"{disk['stored_dtype']!r}"
+        )
     if disagree:
         raise ValueError(
             f"model.path {path}/config.json disagrees with the recipe (state a "
@@ -140,6 +146,7 @@ def with_checkpoint_config(data: dict[str, Any]) -> dict[str, Any]:
     for key in TOKEN_IDS:
         resolved[key] = override.get(key, disk[key])
     resolved["quantization"] = disk["quantization"]
+    resolved["stored_dtype"] = disk["stored_dtype"]
     out = {**data, "model": resolved}
     section = data.get("data")
     dataset = isinstance(section, dict) and (section.get("path") or section.get("source"))

@@ -181,7 +181,11 @@ class ModelRecipe:
     that disagrees with them is an error) — LoRA only: an FP8 weight cannot take an optimizer
     step. From an FP8 checkpoint the modules held in FP8 are exactly those it stores in
     float8 (:func:`qwen35_trainer.model.weights.adapter.fp8_weights`): a module it keeps in
-    bf16 (its ``modules_to_not_convert``) stays bf16."""
+    bf16 (its ``modules_to_not_convert``) stays bf16.
+
+    ``stored_dtype``: the dtype the checkpoint's weights are stored in (``config.json``'s
+    ``dtype``, or ``torch_dtype``; read with ``model.path``, stated or ``None`` with
+    ``model.weights``): what an export writes unless told otherwise."""
 
     text: dict[str, Any]
     vision: dict[str, Any]
@@ -204,6 +208,7 @@ class ModelRecipe:
     base_dtype: str = "auto"
     fp8_block: tuple[int, int] | None = None
     quantization: dict[str, Any] | None = None
+    stored_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.path and self.weights:

@@ -7,9 +7,11 @@ import logging
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from qwen35_trainer.data.demo import demo_dir
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.fp8.hold import fp8_summary
 from qwen35_trainer.model.kernels import Kernels
@@ -103,7 +105,7 @@ def input_lines(recipe: Recipe) -> list[str]:
         path, hub = getattr(values, key), values.from_hub.get(key)
         if not path or (key == "processor" and path == recipe.model.path):
             continue
-        said = "built-in" if path.startswith("builtin:") else "local"
+        said = "built-in" if Path(path).is_relative_to(demo_dir()) else "local"
         said = f"Hub {kind} {hub}, snapshot {path}" if hub else f"{said} {path}"
         lines.append(f"{section}.{key}: {said}")
     return lines

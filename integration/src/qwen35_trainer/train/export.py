@@ -3,11 +3,11 @@ export`` (a training checkpoint) and ``train.export_dir`` (the end of a run).
 
 The folder mirrors the source checkpoint (``model.path`` / ``model.weights``): its routed
 experts in the source's layout (per expert or stacked, :func:`~qwen35_trainer.model.adapter.
-expert_layout`; ``experts`` overrides), its ``dtype`` (``config.json``'s; ``dtype``
-overrides, else the trained weights' own), ``config.json`` with ``architectures`` and
-``dtype``, and beside the weights the source's processor — tokenizer, chat template, image and
-video processors (``model.path``, else ``data.processor``), their files copied byte for byte
-(:data:`PROCESSOR_FILES`) — and a ``generation_config.json`` whose eos and pad ids stop
+expert_layout`; ``experts`` overrides), its ``dtype`` (``model.stored_dtype``, read from
+``config.json`` once, with the recipe; ``dtype`` overrides, else the trained weights' own),
+``config.json`` with ``architectures`` and ``dtype``, and beside the weights the source's
+processor — tokenizer, chat template, image and video processors (``model.path``, else
+``data.processor``), their files copied byte for byte (:data:`PROCESSOR_FILES`) — and a ``generation_config.json`` whose eos and pad ids stop
 ``generate`` at the end of an assistant turn (``<|im_end|>``; the source's file completed:
 :mod:`qwen35_trainer.train.generation_config`). A recipe without a processor gets the weights
 only, and the notes say so. The weight files get the mode the folder's other files get
@@ -34,7 +34,6 @@ gathering (:func:`qwen35_trainer.model.export_hf`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -45,7 +44,6 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compat import full_tensor
-from qwen35_trainer.data.demo import resolve
 from qwen35_trainer.model import build_training_model, export_hf
 from qwen35_trainer.model.lora.peft_export import LORA_FORMATS, saved_modules, write_adapter
 from qwen35_trainer.model.weights.adapter import expert_layout
@@ -127,12 +125,6 @@ def check_export_dir(out: str | Path, overwrite: bool) -> None:
         raise ValueError(refusal or f"export folder {out}: refused on another rank")
 
 
-def _source_config(recipe: Recipe) -> dict:
-    source = recipe.model.weights_dir
-    config = Path(source) / "config.json" if source else None
-    return json.loads(config.read_text()) if config and config.is_file() else {}
-
-
 def _per_expert(recipe: Recipe, experts: str) -> bool:
     if experts != "source":
         return experts == "per_expert"
@@ -141,9 +133,8 @@ def _per_expert(recipe: Recipe, experts: str) -> bool:
 
 
 def _dtype(recipe: Recipe, dtype: str | None) -> torch.dtype | None:
-    config = _source_config(recipe)
     name = dtype if dtype != "fp8" else None
-    name = name or config.get("dtype") or config.get("torch_dtype")
+    name = name or recipe.model.stored_dtype
     if dtype == "fp8":
         name = name or "bfloat16"
     return getattr(torch, name) if name else None
@@ -154,7 +145,7 @@ def _fp8_export(recipe: Recipe) -> FP8Export:
     blocks, its scales' dtype, its ``quantization_config``), else ``model.fp8_block`` with fp32
     scales."""
     model = recipe.model
-    config = _source_config(recipe).get("quantization_config")
+    config = model.quantization
     scale_dtype = torch.float32
     if config is not None:
         files = open_files(model.weights_dir)
@@ -173,7 +164,7 @@ def _fp8_export(recipe: Recipe) -> FP8Export:
 
 def _processor_dir(recipe: Recipe) -> Path | None:
     """The first of ``model.path``, ``data.processor`` that holds a tokenizer."""
-    for folder in (recipe.model.path, resolve(recipe.data.processor)):
+    for folder in (recipe.model.path, recipe.data.processor):
         tokenizer = ("tokenizer_config.json", "tokenizer.json")
         if folder and any((Path(folder) / name).is_file() for name in tokenizer):
             return Path(folder)
