@@ -174,6 +174,26 @@ def test_export_experts_stacked_and_bf16_on_request(trained, tmp_path, capsys):
     assert all(torch.equal(v, state[k].to(torch.bfloat16)) for k, v in loaded.state_dict().items())
 
 
+def test_export_takes_the_dtype_the_source_stores(trained, tmp_path):
+    """A source stored in bf16 (``config.json``'s ``dtype``, read once into the recipe as
+    ``model.stored_dtype``): the export of fp32-trained weights is bf16 without ``--dtype``."""
+    source, checkpoint, sets, state = trained
+    bf16 = tmp_path / "bf16_source"
+    shutil.copytree(source, bf16)
+    model = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(source)
+    model.to(torch.bfloat16).save_pretrained(bf16)
+    bf16_sets = [*sets, f"model.path={bf16}"]
+    assert load_recipe("tiny", bf16_sets).model.stored_dtype == "bfloat16"
+    assert load_recipe("tiny", sets).model.stored_dtype == "float32"
+    with pytest.raises(ValueError, match=r"model.stored_dtype: recipe 'float16', checkpoint's"):
+        load_recipe("tiny", [*bf16_sets, "model.stored_dtype=float16"])
+    out = tmp_path / "as_stored"
+    assert _export(bf16_sets, checkpoint, out) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(out)
+    assert all(torch.equal(v, state[k].to(torch.bfloat16)) for k, v in loaded.state_dict().items())
+
+
 def test_train_export_dir_not_empty_is_refused_before_training(trained, tmp_path):
     _, _, sets, _ = trained
     (tmp_path / "keep.txt").write_text("mine")

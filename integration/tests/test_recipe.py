@@ -10,6 +10,7 @@ from helpers import TINY, tiny
 from qwen35_trainer import build_config, load_recipe, recipe_from_dict
 from qwen35_trainer.data.demo import demo_dir
 from qwen35_trainer.recipe import builtin_recipes, recipe_path
+from qwen35_trainer.supervise.console import input_lines
 
 
 def test_tiny_recipe_loads_with_types():
@@ -53,6 +54,7 @@ def test_paths_are_relative_to_the_recipe_file_that_states_them(tmp_path, monkey
     assert r.data.processor == str(tmp_path / "project" / "proc")
     assert r.data.eval_path == str(demo_dir() / "heldout.jsonl")
     assert Path(r.data.eval_path).is_file()
+    assert f"data.eval_path: built-in {r.data.eval_path}" in input_lines(r)  # the run's header
     assert r.train.output_dir == "runs/x"
     r = load_recipe("project/run.yaml", ["data.path=mine.jsonl", "model.weights=~/w"])
     assert r.data.path == str(tmp_path / "mine.jsonl")
