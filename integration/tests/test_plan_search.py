@@ -104,7 +104,10 @@ def test_candidates_keep_the_recipes_step_and_micro_batch():
     """Every layout at world 4 (nodes of 2 GPUs: HSDP variants too), each with the recipe's 8
     samples per step and 2 per micro-batch and group."""
     recipe = load_recipe(TINY, PACKED)
-    found = {layout: sets for layout, sets in candidates(recipe, 4, node_gpus=2, pp_values=None)}
+    keys = ("pp", "dp_replicate", "dp", "cp", "ep")
+    listed = list(candidates(recipe, 4, node_gpus=2, pp_values=None))
+    assert {layout["tp"] for layout, _ in listed} == {recipe.parallel.tp}  # the recipe's TP kept
+    found = {tuple(layout[k] for k in keys): sets for layout, sets in listed}
     assert set(found) == {
         (1, 1, 4, 1, 2),
         (1, 2, 2, 1, 2),

@@ -41,6 +41,7 @@ from qwen35_trainer.plan.hardware import Hardware, hardware
 from qwen35_trainer.plan.nodes import crossing_groups
 from qwen35_trainer.plan.planner import GIB, Plan, plan
 from qwen35_trainer.plan.timing import Efficiency, StepTime, step_time
+from qwen35_trainer.recipe.dimensions import degrees
 
 __all__ = ["Candidate", "candidates", "inter_node_bytes", "search"]
 
@@ -50,7 +51,7 @@ class Candidate:
     """One layout of the search: its ``--set`` overrides over the recipe, the recipe they make,
     and the verdict: a :class:`Plan`, or the reason it was not planned or cannot run."""
 
-    layout: dict[str, int]  # pp, dp_replicate, dp, cp, ep
+    layout: dict[str, int]  # the degree of each dimension (recipe.dimensions.degrees)
     sets: tuple[str, ...]
     recipe: object | None
     plan: Plan | None = None
@@ -91,35 +92,31 @@ def _step_size(recipe) -> tuple[int, int, str]:
     return data.samples_per_rank * groups, max(1, data.samples_per_rank // accum), "samples"
 
 
-def _layout_sets(recipe, pp: int, replicate: int, dp: int, cp: int, ep: int) -> list[str] | str:
-    """The overrides of one layout keeping the recipe's step (module docstring), or why the
-    step does not divide over its data-parallel groups."""
+def _layout_sets(recipe, layout: dict[str, int]) -> list[str] | str:
+    """The overrides of one layout (its degree per dimension, :data:`~qwen35_trainer.recipe.
+    dimensions.DIMENSIONS`) keeping the recipe's step (module docstring), or why the step does
+    not divide over its data-parallel groups."""
     per_step, per_micro, what = _step_size(recipe)
-    groups = replicate * dp
+    groups = layout["dp_replicate"] * layout["dp"]
     if per_step % (groups * per_micro):
         return f"the step's {per_step} {what} do not split over {groups} groups by {per_micro}"
     micro = per_step // (groups * per_micro)
-    sets = [
-        f"parallel.pp={pp}",
-        f"parallel.dp_replicate={replicate}",
-        f"parallel.dp={dp}",
-        f"parallel.cp={cp}",
-        f"parallel.ep={ep}",
-        f"train.grad_accum_steps={micro}",
-    ]
+    sets = [f"parallel.{key}={degree}" for key, degree in layout.items()]
+    sets.append(f"train.grad_accum_steps={micro}")
     if not recipe.data.dataset:
         sets.append(f"data.samples_per_rank={per_step // groups}")
     stated = recipe.parallel.pp_microbatches
-    if pp > 1 and stated is not None and stated != micro:  # it must equal grad_accum_steps
+    if layout["pp"] > 1 and stated is not None and stated != micro:  # = grad_accum_steps
         sets.append(f"parallel.pp_microbatches={micro}")
     return sets
 
 
 def candidates(
     recipe, world: int, *, node_gpus: int, pp_values: list[int] | None = None
-) -> Iterator[tuple[tuple[int, int, int, int, int], list[str] | str]]:
-    """Each layout of the search (module docstring) as ``((pp, dp_replicate, dp, cp, ep),
-    overrides or the reason it cannot keep the step)``."""
+) -> Iterator[tuple[dict[str, int], list[str] | str]]:
+    """Each layout of the search (module docstring) as ``(its degree per dimension, in
+    :data:`~qwen35_trainer.recipe.dimensions.DIMENSIONS`' order; the overrides or the reason it
+    cannot keep the step)``."""
     p, text = recipe.parallel, build_config(recipe.model).text_config
     layers, experts = text.num_hidden_layers, text.num_experts
     tp = p.tp
@@ -134,8 +131,9 @@ def candidates(
                 shards.append(max(in_node))  # HSDP: each shard group inside one node
             for shard in shards:
                 ep = max(d for d in _divisors(math.gcd(shard, experts)) if d <= max(p.ep, 1))
-                layout = (pp, shard_all // shard, shard // cp, cp, ep)
-                yield layout, _layout_sets(recipe, *layout)
+                chosen = dict(pp=pp, dp_replicate=shard_all // shard, dp=shard // cp, cp=cp, ep=ep)
+                layout = {**degrees(p), **chosen}
+                yield layout, _layout_sets(recipe, layout)
 
 
 def inter_node_bytes(planned: Plan, dims: ParallelDims, node_gpus: int) -> int:
@@ -177,10 +175,7 @@ def search(
 
     total = parameter_counts(build_meta_model(recipe.model))[0]
     found = []
-    for (pp, replicate, dp, cp, ep), sets in candidates(
-        recipe, world, node_gpus=node_gpus, pp_values=pp_values
-    ):
-        layout = dict(pp=pp, dp_replicate=replicate, dp=dp, cp=cp, ep=ep)
+    for layout, sets in candidates(recipe, world, node_gpus=node_gpus, pp_values=pp_values):
         if isinstance(sets, str):
             found.append(Candidate(layout, (), None, reason=sets))
         else:
