@@ -244,6 +244,23 @@ class ParallelDims:
         e_dp = math.gcd(self.ep, self.dp)
         return e_dp, self.ep // e_dp
 
+    @property
+    def group_sizes(self) -> dict[str, int]:
+        """The size of each process group a rank joins through :meth:`build`'s meshes, by what
+        it carries: the HSDP replicas, the dense FSDP shard group (``dp_shard × cp``), CP, TP,
+        the loss group (``batch``), EP, the experts' FSDP group and the pipeline (a group of
+        one rank costs nothing)."""
+        return {
+            "dp_replicate": self.dp_replicate,
+            "dp_shard_cp": self.dp * self.cp,
+            "cp": self.cp,
+            "tp": self.tp,
+            "batch": self.batch,
+            "ep": self.ep,
+            "efsdp": self.efsdp,
+            "pp": self.pp,
+        }
+
     def expert_grid(self, dense_ranks: torch.Tensor) -> torch.Tensor:
         """[dp_replicate, efsdp, ep, tp] rank ids from the dense mesh's rank tensor."""
         e_dp, e_cp = self.ep_factors

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from qwen35_trainer.parallel import ParallelDims
 from qwen35_trainer.plan.flags import named_values
 
 __all__ = ["Headroom", "process_groups"]
@@ -61,11 +62,7 @@ class Headroom:
         }
 
 
-def process_groups(layout: dict[str, int]) -> int:
-    """The communicators a rank of ``layout`` (dp_replicate, dp, cp, tp, ep, pp) joins: one per
-    mesh dimension and flattened view of more than one rank — HSDP replicas, the dense FSDP
-    shard group (dp × cp), CP, TP, the loss group, EP, the experts' FSDP group and the
-    pipeline."""
-    r, d, c, t, e = (layout[k] for k in ("dp_replicate", "dp", "cp", "tp", "ep"))
-    sizes = [r, d * c, c, t, r * d * c, e, d * c // e, layout.get("pp", 1)]
-    return sum(1 for size in sizes if size > 1)
+def process_groups(dims: ParallelDims) -> int:
+    """The communicators a rank of the layout ``dims`` joins: one per group of more than one
+    rank that its meshes create (:attr:`ParallelDims.group_sizes`)."""
+    return sum(1 for size in dims.group_sizes.values() if size > 1)

@@ -90,7 +90,8 @@ class Plan:
         return self.ranks[rank].peak + sum(self._terms(self.ranks[rank]).values())
 
     def _terms(self, m: Memory) -> dict[str, int]:
-        return self.headroom.terms(m.peak - m.parameters - m.optimizer, process_groups(self.layout))
+        dims = ParallelDims(launched=self.world, **self.layout)
+        return self.headroom.terms(m.peak - m.parameters - m.optimizer, process_groups(dims))
 
     @property
     def worst_rank(self) -> int:
