@@ -45,7 +45,7 @@ def demo(tmp_path_factory) -> Path:
     """The demo dataset (4 training rows) with a 4-frame mp4 beside it (``four.mp4``)."""
     import random
 
-    from qwen35_trainer.data.demo import _motion_frames, _write_mp4, make_demo
+    from qwen35_trainer.demo.dataset import _motion_frames, _write_mp4, make_demo
 
     root = make_demo(tmp_path_factory.mktemp("demo"), train_rows=4, heldout_rows=1)
     assert _write_mp4(_motion_frames("left", (230, 40, 40), random.Random(0)), root / "four.mp4")

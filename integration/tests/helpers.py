@@ -40,7 +40,7 @@ def hf_forward(model, batch, **extra):
 
 def demo_recipe(root, *overrides: str):
     """The tiny recipe, one process, on the demo dataset written under ``root``
-    (:func:`qwen35_trainer.data.demo.make_demo`); ``overrides`` apply last."""
+    (:func:`qwen35_trainer.demo.dataset.make_demo`); ``overrides`` apply last."""
     return load_recipe(
         TINY,
         [

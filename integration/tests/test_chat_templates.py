@@ -19,7 +19,7 @@ from helpers import ONE_PROCESS
 from qwen35_trainer import load_recipe
 from qwen35_trainer.data.batch import IGNORE_INDEX, DataError
 from qwen35_trainer.data.conversation import ConversationEncoder
-from qwen35_trainer.data.demo import make_demo
+from qwen35_trainer.demo.dataset import make_demo
 from qwen35_trainer.model import build_config
 
 END = "<|im_end|>"
@@ -205,7 +205,7 @@ def test_the_readmes_checkpoint_rows_encode_as_it_says(tmp_path):
     import json
     from pathlib import Path
 
-    from qwen35_trainer.data.demo import ensure_demo
+    from qwen35_trainer.demo.dataset import ensure_demo
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     block = readme.split("```jsonl\n")[1].split("```", 1)[0]

@@ -18,9 +18,9 @@ from dist_testkit import assert_close, assert_grads_close
 from qwen35_trainer import TrainingObjective, build_config, swap_moe_blocks
 from qwen35_trainer.data import IGNORE_INDEX
 from qwen35_trainer.data.conversation import ConversationEncoder, DataError, TokenIds
-from qwen35_trainer.data.demo import _motion_frames, _write_mp4, make_demo
 from qwen35_trainer.data.loader import truncate
 from qwen35_trainer.data.packing import pack
+from qwen35_trainer.demo.dataset import _motion_frames, _write_mp4, make_demo
 from qwen35_trainer.model.packed import enable_packing
 
 IMAGE = {"type": "image", "path": "images/000001.png"}

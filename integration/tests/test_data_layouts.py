@@ -23,7 +23,7 @@ from helpers import demo_recipe, media_document
 
 from dist_testkit import named_check, run_checks
 from qwen35_trainer import train
-from qwen35_trainer.data.demo import make_demo
+from qwen35_trainer.demo.dataset import make_demo
 
 LAYOUTS = {
     "dp2": ("parallel.dp=2",),

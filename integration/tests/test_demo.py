@@ -14,8 +14,8 @@ from helpers import ONE_PROCESS
 from qwen35_trainer import load_recipe, train
 from qwen35_trainer.cli import main
 from qwen35_trainer.data.conversation import ConversationEncoder, TokenIds
-from qwen35_trainer.data.demo import make_demo
 from qwen35_trainer.data.packing import pack
+from qwen35_trainer.demo.dataset import make_demo
 from qwen35_trainer.model import build_config
 from qwen35_trainer.model.packed import packed_hidden_states
 

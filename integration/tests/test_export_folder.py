@@ -22,7 +22,7 @@ from helpers import ONE_PROCESS, SYNTHETIC
 
 from qwen35_trainer import load_recipe, train
 from qwen35_trainer.cli import main
-from qwen35_trainer.data.demo import make_demo
+from qwen35_trainer.demo.dataset import make_demo
 from qwen35_trainer.model.weights.saving import creation_mode
 
 

@@ -361,7 +361,7 @@ def test_lora_on_the_fp8_base_learns_like_on_the_bf16_base(checkpoints, tmp_path
     from helpers import demo_recipe
 
     from qwen35_trainer import train
-    from qwen35_trainer.data.demo import make_demo
+    from qwen35_trainer.demo.dataset import make_demo
 
     base, _, _ = checkpoints
     demo = make_demo(tmp_path / "demo", train_rows=200, heldout_rows=8)

@@ -23,8 +23,8 @@ from helpers import ONE_PROCESS, TINY, tiny
 from hub_cache import cache_repo
 
 from qwen35_trainer import build_model, load_recipe, train
-from qwen35_trainer.data.demo import make_demo
 from qwen35_trainer.data.rows import open_rows
+from qwen35_trainer.demo.dataset import make_demo
 from qwen35_trainer.model import export_hf
 from qwen35_trainer.recipe import recipe_from_dict
 from qwen35_trainer.recipe.hub import LIGHT_FILES, MODEL_FILES

@@ -14,8 +14,8 @@ from helpers import demo_recipe
 
 from qwen35_trainer import train
 from qwen35_trainer.data.conversation import DataError
-from qwen35_trainer.data.demo import make_demo
 from qwen35_trainer.data.loader import DataStream
+from qwen35_trainer.demo.dataset import make_demo
 from qwen35_trainer.model import build_config
 from qwen35_trainer.parallel import Layout
 

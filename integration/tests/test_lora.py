@@ -20,7 +20,7 @@ from helpers import ONE_PROCESS, SYNTHETIC, hf_forward
 from qwen35_trainer import build_model, load_recipe, train
 from qwen35_trainer.cli import main
 from qwen35_trainer.data import global_batch
-from qwen35_trainer.data.demo import make_demo
+from qwen35_trainer.demo.dataset import make_demo
 from qwen35_trainer.model.lora.adapters import is_adapter
 from qwen35_trainer.model.weights.saving import creation_mode
 

@@ -15,7 +15,7 @@ import yaml
 from chat_fixtures import checkpoint_dir
 
 from qwen35_trainer import load_recipe, train
-from qwen35_trainer.data.demo import make_demo
+from qwen35_trainer.demo.dataset import make_demo
 from qwen35_trainer.model import build_config, build_model
 from qwen35_trainer.recipe import recipe_from_dict
 

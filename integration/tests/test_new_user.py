@@ -17,7 +17,7 @@ from pp_checks import assert_same_folder
 
 from qwen35_trainer import build_model, load_recipe
 from qwen35_trainer.cli import main
-from qwen35_trainer.data.demo import make_demo
+from qwen35_trainer.demo.dataset import make_demo
 from qwen35_trainer.recipe import recipe_from_dict
 from qwen35_trainer.train.export import export_checkpoint
 

@@ -12,8 +12,8 @@ from helpers import demo_recipe, media_document, nan_pixels, tiny
 
 from qwen35_trainer import train
 from qwen35_trainer.cli import main
-from qwen35_trainer.data.demo import make_demo
 from qwen35_trainer.data.feed import micro_batches
+from qwen35_trainer.demo.dataset import make_demo
 from qwen35_trainer.parallel import Layout
 from qwen35_trainer.supervise.run_folder import step_records
 from qwen35_trainer.train.integrity import INTACT, verify

@@ -19,9 +19,11 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages([str(PACKAGE)], "qwen35_t
 # A module may import its own stage and the stages before it.
 # cli_common: the exit codes and recipe arguments every command shares (imports nothing);
 # supervise: how a run is launched, stopped and recorded, which the train loop calls;
-# cli_info: the informational commands (--version, show)
+# cli_info: the informational commands (--version, show); demo: the built-in demo dataset (imports
+# nothing of the trainer: the recipe resolves builtin: paths to its files)
 ORDER = [
     "cli_common",
+    "demo",
     "recipe",
     "parallel",
     "data",

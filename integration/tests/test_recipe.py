@@ -8,7 +8,7 @@ import pytest
 from helpers import TINY, tiny
 
 from qwen35_trainer import build_config, load_recipe, recipe_from_dict
-from qwen35_trainer.data.demo import demo_dir
+from qwen35_trainer.demo.dataset import demo_dir
 from qwen35_trainer.recipe import builtin_recipes, recipe_path
 from qwen35_trainer.supervise.console import input_lines
 

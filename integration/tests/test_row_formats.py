@@ -361,7 +361,7 @@ def test_the_readmes_rows_load_in_every_order(tmp_path):
 
     from qwen35_trainer import load_recipe
     from qwen35_trainer.data.check import check_dataset
-    from qwen35_trainer.data.demo import ensure_demo
+    from qwen35_trainer.demo.dataset import ensure_demo
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     rows = readme.split("```jsonl\n")[1].split("```", 1)[0].splitlines()

@@ -12,7 +12,7 @@ from helpers import ONE_PROCESS, SYNTHETIC, TINY
 from safetensors.torch import load_file
 
 from qwen35_trainer.cli import main
-from qwen35_trainer.data.demo import make_demo
+from qwen35_trainer.demo.dataset import make_demo
 
 LORA = "model.lora={rank: 4, alpha: 8}"
 

@@ -17,8 +17,8 @@ from helpers import ONE_PROCESS, demo_recipe
 from qwen35_trainer import load_recipe
 from qwen35_trainer.cli import main
 from qwen35_trainer.data.conversation import ConversationEncoder
-from qwen35_trainer.data.demo import make_demo
 from qwen35_trainer.data.loader import truncate
+from qwen35_trainer.demo.dataset import make_demo
 from qwen35_trainer.model import build_config
 
 FPS, FRAMES, STEP = 4, 8, 30  # frame k is solid red 30 k

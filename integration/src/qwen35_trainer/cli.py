@@ -251,7 +251,7 @@ def _export_main(argv: list[str]) -> int:
 
 
 def _data_main(argv: list[str]) -> int:
-    """``qwen35-train data make-demo DIR`` (:mod:`qwen35_trainer.data.demo`) and ``data check
+    """``qwen35-train data make-demo DIR`` (:mod:`qwen35_trainer.demo.dataset`) and ``data check
     RECIPE [--limit N]`` (:mod:`qwen35_trainer.data.check`); exit 0, 3 when rows are bad
     (listed), 2 for a bad recipe or dataset."""
     parser = argparse.ArgumentParser(
@@ -267,7 +267,7 @@ def _data_main(argv: list[str]) -> int:
     check.add_argument("--limit", type=int, help="read only the first N rows")
     args = parser.parse_args(argv)
     if args.command == "make-demo":
-        from qwen35_trainer.data.demo import make_demo
+        from qwen35_trainer.demo.dataset import make_demo
 
         root = make_demo(args.dir, train_rows=args.train_rows, heldout_rows=args.heldout_rows)
         print(

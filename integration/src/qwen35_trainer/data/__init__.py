@@ -11,7 +11,6 @@ model's processor), packed into rows, sharded over the data-parallel ranks, resu
 - :mod:`~qwen35_trainer.data.packing`: documents into one packed row (data only);
 - :mod:`~qwen35_trainer.data.feed`: each step's micro-batches (both streams), the loader's
   checkpointed state;
-- :mod:`~qwen35_trainer.data.demo`: the built-in demo dataset and its processor directory;
 - :mod:`~qwen35_trainer.data.check`: what ``qwen35-train data check`` reports.
 """
 

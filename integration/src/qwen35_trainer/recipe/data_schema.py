@@ -21,7 +21,7 @@ class DataRecipe:
     ``"package.module:callable"`` returning an iterable of such rows (imported and called: a
     recipe that names one runs that code); ``processor`` the
     transformers processor directory (``builtin:demo/...`` paths name the demo dataset,
-    :mod:`qwen35_trainer.data.demo`, written on first use; the built recipe holds its local
+    :mod:`qwen35_trainer.demo.dataset`, written on first use; the built recipe holds its local
     paths); ``eval_path`` / ``eval_split`` the
     held-out rows; ``train_on`` ``assistant`` (every assistant turn as the full rendering
     shows it), ``last_assistant`` (the turns after the last user query) or ``all`` (every text

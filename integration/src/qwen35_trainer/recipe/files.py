@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from qwen35_trainer.data.demo import resolve as resolve_builtin
+from qwen35_trainer.demo.dataset import resolve as resolve_builtin
 from qwen35_trainer.recipe.hub import hub_shaped, with_hub_snapshots
 from qwen35_trainer.recipe.model_path import with_checkpoint_config
 from qwen35_trainer.recipe.schema import Recipe
@@ -79,7 +79,7 @@ def _input_values(data: dict[str, Any]):
 
 def _with_builtin_paths(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` with each ``builtin:demo/REST`` input the demo folder's ``REST`` (the folder
-    written first if missing: :func:`qwen35_trainer.data.demo.ensure_demo`)."""
+    written first if missing: :func:`qwen35_trainer.demo.dataset.ensure_demo`)."""
     data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
     for values, key in _input_values(data):
         if isinstance(values[key], str) and values[key].startswith("builtin:"):

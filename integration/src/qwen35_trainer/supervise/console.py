@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from qwen35_trainer.data.demo import demo_dir
+from qwen35_trainer.demo.dataset import demo_dir
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.fp8.hold import fp8_summary
 from qwen35_trainer.model.kernels import Kernels

@@ -1,4 +1,4 @@
-"""The demo dataset's processor directory (:mod:`qwen35_trainer.data.demo`): a byte-level BPE
+"""The demo dataset's processor directory (:mod:`qwen35_trainer.demo.dataset`): a byte-level BPE
 tokenizer trained with ``tokenizers`` on the dataset's rendered text — with Qwen3.5's text
 pipeline, so transformers' ``Qwen3_5Tokenizer`` splits it the same (:func:`_qwen_pipeline`) —
 the Qwen3.5 special tokens at the ids the tiny recipe names (:data:`SPECIAL_TOKENS`), a chat

@@ -9,7 +9,7 @@ directory, so the real path — files → processor → packing → model — ru
 - ``videos/NNNNNN/frame_K.png``: a square moving left, right, up or down (a frame list), and
   ``videos/NNNNNN.mp4`` for every other video when PyAV can encode one;
 - ``processor/``: the tokenizer, chat template and image / video processor configs
-  (:mod:`qwen35_trainer.data.demo_processor`) — loaded by ``AutoProcessor.from_pretrained``.
+  (:mod:`qwen35_trainer.demo.processor`) — loaded by ``AutoProcessor.from_pretrained``.
 
 Questions and answers are about colour, shape, count and direction of motion; each answer is
 determined by the media, so a model that learns drops its held-out loss well below the text
@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from qwen35_trainer.data.demo_processor import (
+from qwen35_trainer.demo.processor import (
     IMAGE_SIZE,
     SPECIAL_TOKENS,
     write_json,
