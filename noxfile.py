@@ -58,6 +58,9 @@ ALSO_AGAINST = {
 # stay on one worker: their time is mostly gloo launches that keep both cores busy, and on two
 # workers they took longer (cp-varlen-attn 203 s against 162 s, chunked-loss 97 s against 92 s).
 PYTEST_ARGS = {"qwen35-trainer": ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")}
+# every suite prints its slowest 15 tests (a module's gloo launch is its first test's setup), so
+# each CI log says where the time went
+DURATIONS = ("--durations", "15")
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["tests", "lint"]
@@ -91,7 +94,8 @@ def tests(session: nox.Session, package: str) -> None:
     """Run one package's suite in an environment that holds only that package."""
     _sync(session, package)
     session.chdir(MEMBERS[package])
-    session.run("pytest", "tests", *PYTEST_ARGS.get(package, ()), *session.posargs, env=suite_env())
+    args = (*PYTEST_ARGS.get(package, ()), *DURATIONS, *session.posargs)
+    session.run("pytest", "tests", *args, env=suite_env())
     for requirement, tests_paths in ALSO_AGAINST.get(package, []):
         session.run_install(
             "uv",
