@@ -55,6 +55,8 @@ def test_paths_are_relative_to_the_recipe_file_that_states_them(tmp_path, monkey
     assert r.data.eval_path == str(demo_dir() / "heldout.jsonl")
     assert Path(r.data.eval_path).is_file()
     assert f"data.eval_path: built-in {r.data.eval_path}" in input_lines(r)  # the run's header
+    with pytest.raises(ValueError, match=r"eval_path: 'builtin:demox/a.jsonl' names no built-in"):
+        load_recipe("project/run.yaml", ["data.eval_path=builtin:demox/a.jsonl"])
     assert r.train.output_dir == "runs/x"
     r = load_recipe("project/run.yaml", ["data.path=mine.jsonl", "model.weights=~/w"])
     assert r.data.path == str(tmp_path / "mine.jsonl")

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from qwen35_trainer.demo.dataset import resolve as resolve_builtin
+from qwen35_trainer.demo.dataset import BUILTIN, resolve
 from qwen35_trainer.recipe.hub import hub_shaped, with_hub_snapshots
 from qwen35_trainer.recipe.model_path import with_checkpoint_config
 from qwen35_trainer.recipe.schema import Recipe
@@ -82,8 +82,15 @@ def _with_builtin_paths(data: dict[str, Any]) -> dict[str, Any]:
     written first if missing: :func:`qwen35_trainer.demo.dataset.ensure_demo`)."""
     data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
     for values, key in _input_values(data):
-        if isinstance(values[key], str) and values[key].startswith("builtin:"):
-            values[key] = resolve_builtin(values[key])
+        value = values[key]
+        if not isinstance(value, str) or not value.startswith("builtin:"):
+            continue
+        if value != BUILTIN and not value.startswith(f"{BUILTIN}/"):
+            raise ValueError(
+                f"{key}: {value!r} names no built-in input (the built-in one is the demo "
+                f"dataset, {BUILTIN}/...)"
+            )
+        values[key] = resolve(value)
     return data
 
 
