@@ -268,10 +268,12 @@ def ensure_demo() -> Path:
     return folder
 
 
-def resolve(path: str | None) -> str | None:
-    """``builtin:demo/REST`` → the demo folder's ``REST`` (written first if missing); any other
-    path unchanged."""
-    if path is None or not path.startswith(BUILTIN):
-        return path
-    rest = path[len(BUILTIN) :].lstrip("/")
-    return str(ensure_demo() / rest)
+def resolve(path: str) -> str:
+    """``builtin:demo/REST`` → the demo folder's ``REST`` (written first if missing);
+    ``ValueError`` for a ``builtin:`` path that names no built-in input."""
+    if path != BUILTIN and not path.startswith(f"{BUILTIN}/"):
+        raise ValueError(
+            f"{path!r} names no built-in input (the built-in one is the demo dataset, "
+            f"{BUILTIN}/...)"
+        )
+    return str(ensure_demo() / path[len(BUILTIN) :].lstrip("/"))

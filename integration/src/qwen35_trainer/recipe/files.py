@@ -8,6 +8,7 @@ once, when the recipe is built: every reader of a built recipe reads a local pat
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -19,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from qwen35_trainer.demo.dataset import BUILTIN, resolve
+from qwen35_trainer.demo.dataset import resolve
 from qwen35_trainer.recipe.hub import hub_shaped, with_hub_snapshots
 from qwen35_trainer.recipe.model_path import with_checkpoint_config
 from qwen35_trainer.recipe.schema import Recipe
@@ -80,17 +81,15 @@ def _input_values(data: dict[str, Any]):
 def _with_builtin_paths(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` with each ``builtin:demo/REST`` input the demo folder's ``REST`` (the folder
     written first if missing: :func:`qwen35_trainer.demo.dataset.ensure_demo`)."""
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    data = copy.deepcopy(data)  # the caller's mapping stays as given
     for values, key in _input_values(data):
         value = values[key]
         if not isinstance(value, str) or not value.startswith("builtin:"):
             continue
-        if value != BUILTIN and not value.startswith(f"{BUILTIN}/"):
-            raise ValueError(
-                f"{key}: {value!r} names no built-in input (the built-in one is the demo "
-                f"dataset, {BUILTIN}/...)"
-            )
-        values[key] = resolve(value)
+        try:
+            values[key] = resolve(value)
+        except ValueError as err:
+            raise ValueError(f"{key}: {err}") from None
     return data
 
 
