@@ -12,7 +12,8 @@ to see and a scheduler needs to get:
   ``train.stop_timeout`` seconds to finish their step and save before they are killed; the
   workers of a failed group have nothing to save and get :data:`FAILED_STOP_S`. Further stop
   signals during that wait are ignored (Slurm signals every process of a step: the launcher may
-  get its own copy while the workers already save).
+  get its own copy while the workers already save). A stopped worker (SIGSTOP) acts on no
+  signal but SIGKILL, so it gets that at once instead of after the whole allowance.
 
 It overrides only the agent's documented extension points (``_monitor_workers``,
 ``_stop_workers``, ``_shutdown``, ``_restart_workers``) and reads each worker's exit status from
@@ -21,6 +22,8 @@ the process context it closed.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -67,6 +70,11 @@ class SupervisingAgent(LocalElasticAgent):
         self.exit_codes: dict[int, int | None] = {}  # local rank -> code, after a shutdown
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        # the parent's poll closes the group (SIGTERM, then SIGKILL after 30 s) once a worker
+        # failed; a stopped survivor would act on the SIGTERM only at its SIGKILL
+        handlers = self._handlers()
+        if any(h.proc.poll() not in (None, 0) for h in handlers):
+            _kill_stopped(handlers)
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
             step = self.last_step()
@@ -89,14 +97,36 @@ class SupervisingAgent(LocalElasticAgent):
         self._shutdown(timeout=FAILED_STOP_S)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        context = self._pcontext
-        alive = context is not None and any(
-            h.proc.poll() is None for h in getattr(context, "subprocess_handlers", {}).values()
-        )
+        handlers = self._handlers()
+        alive = any(h.proc.poll() is None for h in handlers)
         stop = death_sig in (signal.SIGTERM, signal.SIGUSR1) and timeout == self._shutdown_timeout
         if alive and stop:
             for s in (signal.SIGTERM, signal.SIGUSR1):  # the workers save meanwhile
                 signal.signal(s, signal.SIG_IGN)
+        _kill_stopped(handlers)
         super()._shutdown(death_sig, timeout)
-        handlers = getattr(context, "subprocess_handlers", None) or {}
-        self.exit_codes = {rank: h.proc.poll() for rank, h in handlers.items()}
+        self.exit_codes = {rank: h.proc.poll() for rank, h in enumerate(handlers)}
+
+    def _handlers(self) -> list:
+        """The workers' process handlers, by local rank (none before the first start)."""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        return [handlers[rank] for rank in sorted(handlers)]
+
+
+def _kill_stopped(handlers: list) -> None:
+    """SIGKILL to the process group of every stopped worker (SIGSTOP, ^Z; Linux's process state
+    ``T``): it acts on no other signal while stopped, and continuing it instead would let its
+    own watchdog report the time it spent stopped as a hang of its peers."""
+    for handler in handlers:
+        if handler.proc.poll() is None and _is_stopped(handler.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(handler.proc.pid, signal.SIGKILL)
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (``False`` where ``/proc`` is absent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
