@@ -49,6 +49,16 @@ def _parser() -> argparse.ArgumentParser:
         "attention, recurrence, nvlink, ib, hbm",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON there")
+    timed = parser.add_mutually_exclusive_group()
+    timed.add_argument(
+        "--measure",
+        metavar="FILE",
+        help="time the plan's op classes, calls, optimizer and local link on this machine, "
+        "write that profile to FILE and predict the step with it",
+    )
+    timed.add_argument(
+        "--profile", metavar="FILE", help="predict the step with a profile --measure wrote"
+    )
     parser.add_argument(
         "--headroom",
         action="append",
@@ -112,7 +122,8 @@ def plan_main(argv: list[str]) -> int:
             gpu_memory_gib=memory,
             headroom=headroom,
         )
-        timing = step_time(result, gpu, efficiency, args.node_gpus)
+        profile = _profile(args, recipe, result)
+        timing = step_time(result, gpu, efficiency, args.node_gpus, profile)
     except (OSError, ValueError) as err:
         print(f"qwen35-train plan: {err}", file=sys.stderr)
         return EXIT_BAD_RECIPE
@@ -122,6 +133,23 @@ def plan_main(argv: list[str]) -> int:
     return 0 if result.fits else EXIT_DOES_NOT_FIT
 
 
+def _profile(args, recipe, planned):
+    """The measured profile ``--measure`` takes (and writes) or ``--profile`` reads; else
+    ``None`` (the datasheet model)."""
+    from qwen35_trainer.plan.profile import Profile
+
+    if args.profile:
+        return Profile.load(args.profile)
+    if not args.measure:
+        return None
+    from qwen35_trainer.plan.measure import measure_profile
+
+    profile = measure_profile(recipe, planned, str(args.recipe))
+    profile.save(args.measure)
+    print(f"qwen35-train plan: measured profile written to {args.measure}", file=sys.stderr)
+    return profile
+
+
 def _json(planned, timing) -> dict:
     """The plan's JSON with its step time."""
     if timing is None:
@@ -129,7 +157,7 @@ def _json(planned, timing) -> dict:
     return {
         **planned.to_json(),
         "step_time": {
-            "gpu": timing.gpu.name,
+            "gpu": timing.gpu.name if timing.profile is None else timing.profile.device,
             "seconds": timing.seconds,
             "compute_seconds": timing.compute,
             "exposed_seconds": timing.exposed,

@@ -15,10 +15,19 @@ def format_time(t: StepTime) -> list[str]:
     """The step-time lines: the GPU, the bottleneck's compute, each kind's exposed
     communication, the pipeline's fill and drain, the optimizer, then the totals."""
     g = t.gpu
-    lines = [
+    head = (
         f"step time on {g.name} ({g.bf16_tflops:g} TFLOP/s bf16, HBM {g.hbm_tbps:g} TB/s, "
         f"NVLink {g.nvlink_gbps:g} / InfiniBand {g.ib_gbps:g} GB/s per GPU one way; "
-        "--gpu, --gpu-set, --efficiency to change)",
+        "--gpu, --gpu-set, --efficiency to change)"
+    )
+    if t.profile is not None:
+        rates = ", ".join(f"{c} {r / 1e9:.1f}" for c, r in t.profile.flops_per_s.items())
+        head = (
+            f"step time on the measured {t.profile.device}, torch {t.profile.torch} "
+            f"(GFLOP/s: {rates}; {t.profile.call_s * 1e6:.1f} us per op call)"
+        )
+    lines = [
+        head,
         f"  {'compute (bottleneck rank)':<31}{t.compute:10.3f} s",
         "  exposed communication",
         *(f"    {kind:<29}{s:10.3f} s" for kind, s in t.exposed.items()),
@@ -28,6 +37,8 @@ def format_time(t: StepTime) -> list[str]:
         f"  {'tokens/s/GPU':<31}{t.tokens_per_gpu:10,.0f}",
         f"  {'model TFLOP/s/GPU':<31}{t.tflops_per_gpu:10.1f}   (MFU {t.mfu:.1%})",
     ]
+    if t.profile is not None:  # a measured machine: no datasheet peak to compare with
+        lines[-1] = f"  {'model GFLOP/s/rank':<31}{t.tflops_per_gpu * 1e3:10.1f}"
     return lines
 
 

@@ -33,7 +33,9 @@ the slowest rank's exposed FSDP / HSDP traffic and optimizer step.
 Model FLOPs (TFLOP/s/GPU, MFU) follow the ``mfu`` convention: three forwards of the model per
 token (:func:`.work.step_model_flops`); tokens/s/GPU: the step's tokens over its time and GPUs.
 The efficiencies are calibrated on ONE published run (``docs/scaling.md``, :mod:`.published`);
-``--efficiency NAME=VALUE`` changes them.
+``--efficiency NAME=VALUE`` changes them. With a measured :class:`.profile.Profile`
+(``--measure`` / ``--profile``), :mod:`.measured_time` prices the same work on the machine it
+measured instead; the pipeline and step-level rules above are shared.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING
 from qwen35_trainer.plan.flags import named_values
 from qwen35_trainer.plan.hardware import Hardware
 from qwen35_trainer.plan.nodes import crossing_groups
+from qwen35_trainer.plan.profile import Profile
 from qwen35_trainer.plan.traffic import PER_MICROBATCH
 
 if TYPE_CHECKING:
@@ -124,6 +127,7 @@ class StepTime:
     tokens: int
     model_flops: float
     world: int
+    profile: Profile | None = None  # the measured machine, instead of ``gpu``
 
     @property
     def tokens_per_gpu(self) -> float:
@@ -155,30 +159,60 @@ def _exposed(seconds: dict[str, float], compute: float, units: int, async_tp: bo
     return exposed
 
 
+class _Datasheet:
+    """Prices a rank's work on ``gpu``'s datasheet times ``eff`` (module docstring)."""
+
+    def __init__(self, gpu: Hardware, eff: Efficiency, crossing: set[str]) -> None:
+        self.gpu, self.eff, self.crossing = gpu, eff, crossing
+        self.overlaps = True
+
+    def compute(self, work) -> float:
+        peak = self.gpu.peak_flops
+        return sum(
+            flops / (peak * getattr(self.eff, OP_CLASS[kind]))
+            for kind, flops in work.executed().items()
+        )
+
+    def link(self, kind: str, n: int, work) -> float:
+        gpu, eff = self.gpu, self.eff
+        gbps = gpu.ib_gbps * eff.ib if kind in self.crossing else gpu.nvlink_gbps * eff.nvlink
+        return n / (1e9 * gbps)
+
+    def optimizer(self, mem, microbatches: int) -> float:
+        return (3 * mem.gradients + 2 * mem.optimizer) / (self.gpu.hbm_tbps * 1e12 * self.eff.hbm)
+
+
 def step_time(
-    plan: Plan, gpu: Hardware, efficiency: Efficiency | None = None, node_gpus: int = 8
+    plan: Plan,
+    gpu: Hardware,
+    efficiency: Efficiency | None = None,
+    node_gpus: int = 8,
+    profile: Profile | None = None,
 ) -> StepTime:
-    """The :class:`StepTime` of ``plan`` on ``gpu`` with ``node_gpus`` GPUs per node."""
-    eff = efficiency or Efficiency()
+    """The :class:`StepTime` of ``plan`` on ``gpu`` with ``node_gpus`` GPUs per node, or, with
+    a measured ``profile``, on the machine it describes (:mod:`.measured_time`)."""
     step = plan.step
     if step is None or not plan.work:
         raise ValueError("the plan carries no per-rank work to time (plan it with plan())")
-    crossing = crossing_groups(step.dims, node_gpus)
+    if profile is not None:
+        from qwen35_trainer.plan.measured_time import Measured
+
+        prices = Measured(profile, plan.world, step.microbatches)
+    else:
+        prices = _Datasheet(gpu, efficiency or Efficiency(), crossing_groups(step.dims, node_gpus))
     m = step.microbatches
     per_micro, fixed, compute, exposed = {}, {}, {}, {}
     for rank, work in plan.work.items():
-        compute[rank] = m * sum(
-            flops / (gpu.peak_flops * getattr(eff, OP_CLASS[kind]))
-            for kind, flops in work.executed().items()
-        )
+        compute[rank] = m * prices.compute(work)
         seconds = {
-            kind: n
-            / (1e9 * (gpu.ib_gbps * eff.ib if kind in crossing else gpu.nvlink_gbps * eff.nvlink))
-            for kind, n in plan.rank_traffic.get(rank, {}).items()
+            kind: prices.link(kind, n, work) for kind, n in plan.rank_traffic.get(rank, {}).items()
         }
-        exposed[rank] = _exposed(seconds, compute[rank], work.units, step.async_tp)
+        if prices.overlaps:
+            exposed[rank] = _exposed(seconds, compute[rank], work.units, step.async_tp)
+        else:
+            exposed[rank] = seconds
         mem = plan.ranks[rank]
-        optimizer = (3 * mem.gradients + 2 * mem.optimizer) / (gpu.hbm_tbps * 1e12 * eff.hbm)
+        optimizer = prices.optimizer(mem, m)
         per_micro[rank] = (
             compute[rank] + sum(exposed[rank].get(k, 0.0) for k in PER_MICROBATCH)
         ) / m
@@ -195,9 +229,13 @@ def step_time(
     idle = (sum(per_stage.values()) - slowest) / (step.virtual * z) if pp > 1 else 0.0
     last = max(fixed, key=lambda r: fixed[r][0])
     kinds = {k for e in exposed.values() for k in e}
+    seconds = m * slowest + idle + fixed[last][0]
+    if profile is not None:  # ranks time-sharing a CPU's cores
+        busy = {key: m * b + fixed[last][0] for key, b in per_stage.items()}
+        seconds = max(seconds, prices.time_shared(busy, plan.world, pp))
     return StepTime(
         gpu,
-        m * slowest + idle + fixed[last][0],
+        seconds,
         compute[bottleneck],
         {k: max(e.get(k, 0.0) for e in exposed.values()) for k in sorted(kinds)},
         idle,
@@ -205,4 +243,5 @@ def step_time(
         step.tokens,
         step.model_flops,
         plan.world,
+        profile,
     )

@@ -51,6 +51,10 @@ class Work:
     forward: dict[str, float]  # this rank's forward FLOPs of each kind
     passes: dict[str, float]  # forward-equivalents each kind runs (forward, recompute, backward)
     units: int = 1  # FSDP units this rank gathers (the exposure rule of :mod:`.timing`)
+    layer_share: float = 1.0  # of the decoder's layers, those this rank runs (PP: its stages')
+    layers: int = 0  # decoder layers this rank runs
+    full_layers: int = 0  # of them, full-attention layers
+    recompute: float = 0.0  # 1 under activation checkpointing: the forward runs again
 
     def executed(self) -> dict[str, float]:
         """FLOPs each kind executes per micro-batch."""
@@ -132,6 +136,10 @@ def rank_work(recipe, config, dims, shape, stage, units: int = 1) -> Work:
         {k: v * share[k] for k, v in forward.items()},
         _passes(recipe, mtp_share),
         max(units, 1),
+        len(stage.layer_types) / len(text.layer_types),
+        len(stage.layer_types),
+        sum(t == "full_attention" for t in stage.layer_types),
+        float(recipe.train.activation_checkpointing),
     )
 
 

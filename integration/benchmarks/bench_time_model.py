@@ -1,0 +1,103 @@
+"""The measured step-time model (``qwen35-train plan --measure`` / ``--profile``) against this
+trainer's own runs, in one run: per recipe, ONE profile measured here (the one-process plan's
+shapes, :func:`qwen35_trainer.plan.measure.measure_profile`), then for each layout the step the
+model predicts with it and the median step of a real CLI run (``step_seconds`` of steps
+``WARM + 1`` .. ``STEPS``: the first steps compile and warm up), printed as predicted /
+measured / ratio. Goal: every row within ±15 %.
+
+Recipes: ``tiny`` (the demo dataset, a step of ~0.3 s here) and a larger CPU recipe (``tiny``
+widened to hidden 256 and longer rows: a step of several seconds). Layouts: one process, with
+activation checkpointing, DP 2, CP 2 · EP 2, TP 2 + SP, PP 2 (1F1B), PP 2 interleaved zero bubble,
+PP 2 × DP 2 (the PP rows with 2 micro-batches).
+
+    python benchmarks/bench_time_model.py [--rows NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from qwen35_trainer.plan import plan
+from qwen35_trainer.plan.hardware import hardware
+from qwen35_trainer.plan.measure import measure_profile
+from qwen35_trainer.plan.timing import step_time
+from qwen35_trainer.recipe import load_recipe
+
+STEPS, WARM = 10, 3
+ONE = ("parallel.dp=1", "parallel.cp=1", "parallel.ep=1", "parallel.tp=1")
+RECIPES = {
+    "tiny": (),
+    "tiny-256": (
+        "model.text.hidden_size=256",
+        "model.text.moe_intermediate_size=256",
+        "model.text.shared_expert_intermediate_size=256",
+        "model.vision.out_hidden_size=256",
+    ),
+}
+PP = ("parallel.pp=2", "train.grad_accum_steps=2")
+LAYOUTS = {
+    "one process": ONE,
+    "one process, AC": (*ONE, "train.activation_checkpointing=true"),
+    "DP 2": (*ONE, "parallel.dp=2"),
+    "CP 2 x EP 2": (*ONE, "parallel.cp=2", "parallel.ep=2"),
+    "TP 2 + SP": (*ONE, "parallel.tp=2"),
+    "PP 2 (1F1B)": (*ONE, *PP),
+    "PP 2 interleaved ZB": (
+        *ONE,
+        *PP,
+        "parallel.pp_schedule=interleaved_zb",
+        "parallel.pp_virtual_stages=2",
+    ),
+    "PP 2 x DP 2": (*ONE, *PP, "parallel.dp=2"),
+}
+COMMON = (f"train.steps={STEPS}", "train.eval_every=0", "train.checkpoint_every=0")
+
+
+def measured_step(recipe: str, sets: tuple[str, ...], world: int) -> float:
+    """The median ``step_seconds`` of steps after :data:`WARM` of a real CLI run."""
+    with tempfile.TemporaryDirectory(prefix="time-model-") as folder:
+        args = [a for s in (*sets, *COMMON, f"train.output_dir={folder}") for a in ("--set", s)]
+        cmd = [sys.executable, "-m", "qwen35_trainer.cli", recipe, "--nproc", str(world), *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        rows = [json.loads(line) for line in Path(folder, "metrics.jsonl").read_text().splitlines()]
+        seconds = [r["step_seconds"] for r in rows if "step" in r and r["step"] > WARM]
+    return statistics.median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
+    args = parser.parse_args()
+    print(f"{'recipe':<9} {'layout':<21} {'predicted':>10} {'measured':>9} {'ratio':>6}")
+    for name in args.recipes:
+        widen = RECIPES[name]
+        base = load_recipe("tiny", [*widen, *ONE, *COMMON], hub_weights=False)
+        profile = measure_profile(base, plan(base, name=name), name)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            profile.save(f.name)
+        print(f"# {name}: profile {f.name}", flush=True)
+        for row in args.rows:
+            sets = (*widen, *LAYOUTS[row])
+            recipe = load_recipe("tiny", [*sets, *COMMON], hub_weights=False)
+            planned = plan(recipe, name=name)
+            predicted = step_time(planned, hardware(), profile=profile).seconds
+            measured = measured_step("tiny", sets, planned.world)
+            print(
+                f"{name:<9} {row:<21} {predicted:10.3f} {measured:9.3f} "
+                f"{predicted / measured:6.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
