@@ -145,7 +145,7 @@ def test_rank_work_is_its_share_of_the_model_and_its_passes():
     recompute and a two-part backward (4), the head and the MTP fc 3, the MTP depth's share of
     the loss recomputed; LoRA without checkpointing: projections forward and the input's
     gradient (2), the cores 3, the frozen tower forward only. The FLOPs: 1/cp of the model's
-    kinds over the rank's row (the whole model without PP)."""
+    kinds over the rank's row (the whole model without PP), the tower's whole frames."""
     checkpointed = ("train.activation_checkpointing=true", "train.grad_accum_steps=2")
     recipe = load_recipe(TINY, [*PACKED, *checkpointed, "model.mtp_layers=1"])
     config = build_config(recipe.model)
@@ -169,6 +169,17 @@ def test_rank_work_is_its_share_of_the_model_and_its_passes():
     } == dict.fromkeys(("attention", "gdn", "shared_expert", "experts"), 2.0)
     assert passes["attention_core"] == passes["gdn_core"] == 3
     assert passes["vision"] == passes["vision_core"] == 1
+    # one image of one frame per micro-batch: CP 2 splits the row, not the frame; the tower's
+    # rank runs all of it
+    one = load_recipe(
+        TINY,
+        [*PACKED, *checkpointed, "data.samples_per_rank=2", "data.images_per_sample=1"]
+        + ["data.image_grids=[[1, 8, 8]]"],
+    )
+    single = rank_work(one, config, dims, row_shape(one, dims.cp), whole).forward
+    alone = forward_flops(config, row_documents(one, row_shape(one, 2).row_tokens), [[1, 8, 8]])
+    assert single["vision"] == pytest.approx(alone["vision"]) and single["vision"] > 0
+    assert single["attention"] == pytest.approx(alone["attention"] / 2)
     # a middle pipeline stage: its layers only
     middle = StageView(("linear_attention",), False, False, 1.0, 1, 1)
     only = rank_work(recipe, config, dims, shape, middle).forward

@@ -5,8 +5,9 @@ FLOPs (:func:`qwen35_trainer.model.flops.forward_flops`): the forward of the ran
 model over one micro-batch's row — its decoder layers; the vision tower on the first stage; the
 ``lm_head``, the MTP head on the last — then this rank's share of it:
 
-- CP: ``1 / cp`` of every kind: the row's tokens are split evenly, causal attention's pairs
-  too (the zigzag split balances them), the tower's frames too (frame sharding);
+- CP: ``1 / cp`` of every decoder kind: the row's tokens are split evenly, causal attention's
+  pairs too (the zigzag split balances them); the tower's frames are split whole (frame
+  sharding), so its busiest rank runs ``ceil(frames / cp)`` of them — all of one image's;
 - TP: ``1 / tp`` of the projections, the shared expert and the attention / recurrence cores
   (whole heads per rank); the routed experts, the router-free ``fc`` and the loss see this TP
   rank's tokens: ``1 / tp`` of them under sequence parallelism, all of them without (replicated
@@ -84,6 +85,14 @@ def _grids(recipe) -> list[list[int]]:
     return [list(largest)] * (samples * data.images_per_sample)
 
 
+def _micro_patches(recipe) -> int:
+    """The patches of one micro-batch's images, every one of the largest grid."""
+    data = recipe.data
+    samples = max(1, data.samples_per_rank // recipe.train.grad_accum_steps)
+    largest = max(t * h * w for t, h, w in data.image_grids)
+    return samples * data.images_per_sample * largest
+
+
 def _passes(recipe, last_mtp_share: float) -> dict[str, float]:
     lora = recipe.model.lora
     checkpointing = recipe.train.activation_checkpointing
@@ -131,6 +140,8 @@ def rank_work(recipe, config, dims, shape, stage, units: int = 1) -> Work:
     share = {k: 1 / dims.cp / (tp if k in _TP_SHARDED else 1) for k in KINDS}
     for kind in ("experts", "mtp", "loss"):
         share[kind] = 1 / dims.cp / split
+    patches = shape.patches / max(_micro_patches(recipe), 1)  # the busiest rank's frames
+    share |= {kind: patches for kind in KINDS if kind.startswith("vision")}
     mtp_share = depth / (depth + 1) if stage.last and depth else 0.0
     return Work(
         {k: v * share[k] for k, v in forward.items()},
