@@ -34,6 +34,7 @@ PROFILE = Profile(
     link={"bytes_per_s": 1e9, "latency_s": 1e-3, "ranks": 2},
     backend="nccl",
     model="test",
+    layouts={"tp": {"microbatch": 0.5, "step": 2.0}},
 )
 
 
@@ -110,10 +111,24 @@ def test_activation_checkpointing_runs_the_forward_calls_again():
     """The same work with the forward run again: the forward's 400 calls and its 4 ms of
     unexplained seconds (times the FLOP share) more; its FLOPs are the passes'."""
     work = _small_plan().work[0]
-    before = Measured(PROFILE, 4, 4).compute(work)
-    after = Measured(PROFILE, 4, 4).compute(dataclasses.replace(work, recompute=1.0))
+    before = Measured(PROFILE, 4, 4, {}).compute(work)
+    after = Measured(PROFILE, 4, 4, {}).compute(dataclasses.replace(work, recompute=1.0))
     share = sum(work.forward.values()) / 1e12
     assert after - before == pytest.approx(400 * 1e-5 + 0.004 * share)
+
+
+def test_a_layouts_own_cost_is_paid_per_micro_batch_and_per_step():
+    """The profile's measured TP cost (0.5 s per micro-batch, 2 s per step) on a TP plan: the
+    micro-batch's times the rank's share of the layers; a dimension the profile did not
+    measure is one error, not a step priced without it."""
+    planned = _small_plan()
+    work = dataclasses.replace(planned.work[0], layer_share=0.25)
+    mem = planned.ranks[0]
+    plain, tp = Measured(PROFILE, 4, 4, {}), Measured(PROFILE, 4, 4, {"tp": 2, "pp": 2})
+    assert tp.compute(work) - plain.compute(work) == pytest.approx(0.5 * 0.25)
+    assert tp.optimizer(mem, 4) - plain.optimizer(mem, 4) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match=r"no measured cost for \['cp'\]"):
+        Measured(PROFILE, 4, 4, {"cp": 2})
 
 
 def test_doubled_gemm_throughput_halves_the_gemms_time():
@@ -126,8 +141,8 @@ def test_doubled_gemm_throughput_halves_the_gemms_time():
     )
     assert gemms > 0
     faster = PROFILE.with_rates(matmul=2 * PROFILE.flops_per_s["matmul"])
-    before = Measured(PROFILE, 4, 4).compute(work)
-    after = Measured(faster, 4, 4).compute(work)
+    before = Measured(PROFILE, 4, 4, {}).compute(work)
+    after = Measured(faster, 4, 4, {}).compute(work)
     assert before - after == pytest.approx(gemms / 2)
     with pytest.raises(ValueError, match="unknown op classes"):
         PROFILE.with_rates(gemm=1.0)
@@ -157,20 +172,25 @@ def test_cpu_ranks_share_the_cores():
 
 
 def test_plan_measure_writes_a_profile_that_plan_profile_reads(tmp_path, capsys):
-    """Through the CLI on the one-process tiny recipe (seconds): --measure writes the profile
-    (this CPU, every class, the calls counted, the link among 2 gloo processes) and prints the
-    step on it; --profile with that file prints the same step."""
+    """Through the CLI on the tiny recipe at CP 2 (world 2; seconds): --measure writes the
+    profile (this CPU, every class, the calls counted, the link among 2 gloo processes, CP's
+    own cost timed on 2 ranks) and prints the step on it; --profile with that file prints the
+    same step; a plan with a dimension the profile lacks is refused."""
     path = tmp_path / "profile.json"
-    sets = ["--set", "parallel.cp=1", "--set", "parallel.ep=1", "--set", "parallel.dp=1"]
+    sets = ["--set", "parallel.cp=2", "--set", "parallel.ep=1", "--set", "parallel.dp=1"]
     assert main(["plan", "tiny", *sets, "--measure", str(path)]) == 0
     measured = capsys.readouterr().out
     profile = Profile.load(path)
     assert profile.device.startswith("cpu") and profile.backend == "gloo"
     assert profile.link["ranks"] == 2 and profile.calls["step"] > profile.calls["microbatch"]
     assert all(profile.flops_per_s[c] > 0 for c in CLASSES)
+    assert set(profile.layouts) == {"cp"} and profile.layouts["cp"]["microbatch"] >= 0
     assert "step time on the measured cpu" in measured
     assert main(["plan", "tiny", *sets, "--profile", str(path)]) == 0
     step = [line for line in measured.splitlines() if line.strip().startswith("step ")]
     assert step and step[0] in capsys.readouterr().out
+    tp = ["--set", "parallel.cp=1", "--set", "parallel.tp=2"]
+    assert main(["plan", "tiny", *tp, "--set", "parallel.ep=1", "--profile", str(path)]) == 2
+    assert "no measured cost for ['tp']" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one or the other
         main(["plan", "tiny", "--profile", str(path), "--measure", str(path)])

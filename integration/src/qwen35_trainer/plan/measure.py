@@ -26,60 +26,24 @@ backward, after one warm-up, the median of a few runs:
   elementwise ops, norms, the tower's activations), with the forward FLOPs it came with, so
   that a rank with a share of those FLOPs (its tokens) gets that share;
 - the optimizer's streaming rate: AdamW over the rank's trained parameters (at most 2^24);
-- the link: :func:`.links.measure_link` — ``ranks`` processes side by side on the local backend.
+- the link: :func:`.links.measure_link` — ``ranks`` processes side by side on the local backend;
+- each parallel dimension the plan uses, its own cost at degree 2 on 2 local ranks
+  (:mod:`.layout_cost`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwen35_trainer.plan.profile import Profile
+from qwen35_trainer.plan.step_probe import CallCounter, probe_step, single_process, timed
 
 __all__ = ["CallCounter", "class_rates", "measure_profile", "timed"]
 
-REPEATS = 3
 OPTIMIZER_NUMEL = 1 << 24
-
-
-class CallCounter(TorchDispatchMode):
-    """Counts the aten op calls made while it is active (forward and autograd's backward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device, repeats: int = REPEATS):
-    """``(seconds, calls)`` of ``fn``: the median of ``repeats`` runs after a warm-up, and the
-    op calls one run makes."""
-    fn()
-    counter = CallCounter()
-    with counter:
-        fn()
-    seconds = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds), counter.calls
 
 
 def call_cost(device: torch.device) -> float:
@@ -205,68 +169,6 @@ def class_rates(recipe, plan, device: torch.device, call_s: float) -> dict[str, 
     return rates
 
 
-def _single_process(recipe):
-    """The recipe with every degree 1 (one process runs all of it)."""
-    ones = dict(pp=1, dp_replicate=1, dp=1, cp=1, tp=1, ep=1, async_tp=False, pp_layers=None)
-    return dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, **ones))
-
-
-def step_calls(recipe, device: torch.device) -> tuple[dict[str, float], float, float]:
-    """``(calls, data seconds per step, AdamW's streaming bytes/s)`` of the recipe in this one
-    process (module docstring): ``calls["microbatch"]``, one micro-batch's forward and backward;
-    ``calls["step"]``, the trainer's whole step (every micro-batch, clipping, the optimizer)."""
-    import torch.distributed as dist
-
-    from qwen35_trainer.data.feed import Feed
-    from qwen35_trainer.model import build_training_model
-    from qwen35_trainer.train.pipeline_step import step_function
-    from qwen35_trainer.train.step import count_targets
-    from safe_optim import build_optimizer
-
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        one = _single_process(recipe)
-        objective, layout = build_training_model(one, device)
-        feed = Feed(one, objective.model.config, layout, device)
-        micro, _ = feed.step(0)
-        data_s = statistics.median(feed.step(s)[1].seconds for s in range(1, 1 + REPEATS))
-        params = [p for p in objective.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, "adamw", lr=1e-6)
-        valid, _ = count_targets(micro, layout, device)
-        batch, packed = micro[0]
-
-        def forward_backward():
-            out = objective(batch, layout.loss_group, packed, num_valid_tokens=valid)
-            getattr(out, "loss", out[0] if isinstance(out, tuple) else out).backward()
-
-        def whole_step():
-            step_function(objective)(
-                objective,
-                optimizer,
-                micro,
-                layout,
-                aux_coef=0.001,
-                grad_clip=one.train.grad_clip,
-                device=device,
-            )
-
-        def forward():
-            objective(batch, layout.loss_group, packed, num_valid_tokens=valid)
-
-        microbatch_s, calls = timed(forward_backward, device)
-        forward_s, forward_calls = timed(forward, device)
-        _, step_calls = timed(whole_step, device, repeats=1)
-        counts = {"microbatch": calls, "forward": forward_calls, "step": step_calls}
-        work = _whole_work(one, objective.model.config)
-    finally:
-        if started:
-            dist.destroy_process_group()
-    seconds = {"microbatch": microbatch_s, "forward": forward_s}
-    return {k: float(v) for k, v in counts.items()}, data_s, _adamw_rate(device), (seconds, work)
-
-
 def _whole_work(one, config):
     """The :class:`.work.Work` of the one-process recipe ``one``'s micro-batch."""
     from qwen35_trainer.parallel import validate_layout
@@ -300,19 +202,27 @@ def _adamw_rate(device: torch.device) -> float:
     return (3 * 4 + 2 * 8) * OPTIMIZER_NUMEL / seconds
 
 
-def measure_profile(recipe, plan, name: str, link_ranks: int | None = None) -> Profile:
+def measure_profile(
+    recipe, plan, name: str, link_ranks: int | None = None, dims: list[str] | None = None
+) -> Profile:
     """The :class:`.profile.Profile` of this machine for ``plan`` of ``recipe`` (module
     docstring); ``link_ranks``: the processes the link is measured among (default: the
-    plan's world on a CPU, capped at 8; the GPUs here on CUDA)."""
+    plan's world on a CPU, capped at 8; the GPUs here on CUDA); ``dims``: the parallel
+    dimensions whose own cost is measured (:mod:`.layout_cost`; default: those the plan
+    uses)."""
+    import dataclasses
     import os
 
+    from qwen35_trainer.plan.layout_cost import DIMENSIONS, layout_costs
     from qwen35_trainer.plan.links import measure_link
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name_of = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     call_s = call_cost(device)
     rates = class_rates(recipe, plan, device, call_s)
-    calls, data_s, memory_rate, (seconds, work) = step_calls(recipe, device)
+    one = single_process(recipe)
+    probe = probe_step(one, device)
+    calls, seconds, work = probe.calls, probe.seconds, _whole_work(one, probe.config)
     other_s = unexplained(
         seconds["microbatch"], work.executed(), rates, calls["microbatch"], call_s
     )
@@ -321,8 +231,13 @@ def measure_profile(recipe, plan, name: str, link_ranks: int | None = None) -> P
         ranks, cores = link_ranks or min(torch.cuda.device_count(), 8), 1
     else:
         ranks, cores = link_ranks or min(max(plan.world, 2), 8), os.cpu_count() or 1
+    if ranks < 2:
+        raise ValueError(
+            f"--measure times the link and the layouts on 2 local ranks; this machine has "
+            f"{ranks} {device.type} device(s)"
+        )
     link = measure_link(ranks, plan)
-    return Profile(
+    profile = Profile(
         device=f"{device.type} ({name_of})",
         torch=torch.__version__,
         cores=cores,
@@ -330,8 +245,8 @@ def measure_profile(recipe, plan, name: str, link_ranks: int | None = None) -> P
         flops_per_s=rates,
         call_s=call_s,
         calls=calls,
-        memory_bytes_per_s=memory_rate,
-        data_s=data_s,
+        memory_bytes_per_s=_adamw_rate(device),
+        data_s=probe.data_s,
         other={
             "seconds": other_s,
             "forward_seconds": other_forward,
@@ -340,7 +255,10 @@ def measure_profile(recipe, plan, name: str, link_ranks: int | None = None) -> P
         link=link,
         backend="nccl" if device.type == "cuda" else "gloo",
         model=name,
+        layouts={},
     )
+    wanted = [d for d in DIMENSIONS if plan.layout.get(d, 1) > 1] if dims is None else dims
+    return dataclasses.replace(profile, layouts=layout_costs(recipe, profile, wanted))
 
 
 def _cpu_name() -> str:

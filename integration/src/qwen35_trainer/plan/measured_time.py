@@ -8,6 +8,9 @@ Per planned rank and micro-batch:
   whole model, times the share of the decoder's layers this rank runs) at the measured fixed
   cost per call, plus the profile's unexplained seconds (``other``) times this rank's share of
   the forward FLOPs they were measured at;
+- **the layout's own machinery**: for each of CP, EP and TP the plan uses, the profile's
+  measured excess of that dimension at degree 2 (:mod:`.layout_cost`), per micro-batch (times
+  the layer share) and per step;
 - **communication**: each kind's bytes over the measured link's rate, plus one latency per
   collective: the FSDP kinds' three per unit (the forward's and the backward's all-gather, the
   reduce-scatter), the per-micro-batch kinds' as :func:`_collectives` counts them;
@@ -31,10 +34,19 @@ __all__ = ["Measured"]
 class Measured:
     """Prices one plan's ranks on ``profile`` (module docstring); ``world``: its ranks."""
 
-    def __init__(self, profile: Profile, world: int, microbatches: int) -> None:
+    def __init__(self, profile: Profile, world: int, microbatches: int, layout: dict) -> None:
+        from qwen35_trainer.plan.layout_cost import DIMENSIONS
         from qwen35_trainer.plan.timing import OP_CLASS
 
         self.profile, self.op_class, self.microbatches = profile, OP_CLASS, microbatches
+        used = [d for d in DIMENSIONS if layout.get(d, 1) > 1]
+        missing = [d for d in used if d not in profile.layouts]
+        if missing:
+            raise ValueError(
+                f"the profile ({profile.model}) has no measured cost for {missing}: it was "
+                "measured for a plan without them; measure it with this plan (--measure)"
+            )
+        self.layouts = [profile.layouts[d] for d in used]
         self.overlaps = not profile.on_cpu
 
     def compute(self, work) -> float:
@@ -46,7 +58,8 @@ class Measured:
         calls = (p.calls["microbatch"] + again * p.calls["forward"]) * work.layer_share
         other = p.other["seconds"] + again * p.other["forward_seconds"]
         share = sum(work.forward.values()) / p.other["flops"]
-        return arithmetic + calls * p.call_s + other * share
+        layouts = sum(c["microbatch"] for c in self.layouts) * work.layer_share
+        return arithmetic + calls * p.call_s + other * share + layouts
 
     def link(self, kind: str, n: int, work) -> float:
         link = self.profile.link
@@ -59,7 +72,8 @@ class Measured:
         p = self.profile
         streamed = (3 * mem.gradients + 2 * mem.optimizer) / p.memory_bytes_per_s
         once = max(p.calls["step"] - microbatches * p.calls["microbatch"], 0.0)
-        return streamed + once * p.call_s + p.data_s
+        layouts = sum(c["step"] for c in self.layouts)
+        return streamed + once * p.call_s + p.data_s + layouts
 
     def time_shared(self, busy: dict[int, float], world: int, pp: int) -> float:
         """The shortest step ``world`` ranks sharing this CPU's cores can take: the busy

@@ -15,7 +15,8 @@ What it holds, each measured on its device by :func:`.measure.measure_profile`:
   takes per step (these belong to the recipe and the trainer's code, not the machine alone:
   ``model`` names the recipe they were measured on); ``other``: the seconds of that
   micro-batch that no class's FLOPs and no call explain (elementwise work) and the forward
-  FLOPs it was measured at;
+  FLOPs it was measured at; ``layouts``: each measured parallel dimension's own cost at degree
+  2, per micro-batch and per step (:mod:`.layout_cost`);
 - ``memory_bytes_per_s``: the optimizer step's streaming rate (AdamW's bytes over its time);
 - ``link``: the local backend's collective bandwidth (bytes a rank sends per second) and latency
   among ``ranks`` processes running side by side;
@@ -52,6 +53,7 @@ class Profile:
     data_s: float
     # "seconds" of a micro-batch no class explains ("forward_seconds" of its forward) at "flops"
     other: dict[str, float]
+    layouts: dict[str, dict[str, float]]  # dim -> its own "microbatch" and "step" seconds
     link: dict[str, float]  # "bytes_per_s", "latency_s", "ranks"
     backend: str  # the collectives' backend: gloo, nccl
     model: str  # what the call counts were counted on
