@@ -171,11 +171,8 @@ def test_rank_work_is_its_share_of_the_model_and_its_passes():
     assert passes["vision"] == passes["vision_core"] == 1
     # one image of one frame per micro-batch: CP 2 splits the row, not the frame; the tower's
     # rank runs all of it
-    one = load_recipe(
-        TINY,
-        [*PACKED, *checkpointed, "data.samples_per_rank=2", "data.images_per_sample=1"]
-        + ["data.image_grids=[[1, 8, 8]]"],
-    )
+    single_image = ("data.samples_per_rank=2", "data.images_per_sample=1")
+    one = load_recipe(TINY, [*PACKED, *checkpointed, *single_image, "data.image_grids=[[1, 8, 8]]"])
     single = rank_work(one, config, dims, row_shape(one, dims.cp), whole).forward
     alone = forward_flops(config, row_documents(one, row_shape(one, 2).row_tokens), [[1, 8, 8]])
     assert single["vision"] == pytest.approx(alone["vision"]) and single["vision"] > 0
