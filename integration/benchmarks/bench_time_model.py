@@ -12,7 +12,10 @@ process here). Layouts: one process, with
 activation checkpointing, DP 2, CP 2 · EP 2, TP 2 + SP, PP 2 (1F1B), PP 2 interleaved zero bubble,
 PP 2 × DP 2 (the PP rows with 2 micro-batches).
 
-    python benchmarks/bench_time_model.py [--rows NAME ...]
+    python benchmarks/bench_time_model.py [--recipes NAME ...] [--rows NAME ...]
+
+On a machine with one GPU (``tools/gpu_checks.py``): ``--recipes tiny --rows "one process"
+"one process, AC"``, the rows one device runs (the CLI trains on CUDA where present).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from qwen35_trainer.plan import plan
 from qwen35_trainer.plan.hardware import hardware
+from qwen35_trainer.plan.layout_cost import DIMENSIONS
 from qwen35_trainer.plan.measure import measure_profile
 from qwen35_trainer.plan.timing import step_time
 from qwen35_trainer.recipe import load_recipe
@@ -85,15 +89,19 @@ def main() -> None:
     print(f"{'recipe':<9} {'layout':<21} {'predicted':>10} {'measured':>9} {'ratio':>6}")
     for name in args.recipes:
         widen = RECIPES[name]
+        rows = {row: (*widen, *LAYOUTS[row]) for row in args.rows}
+        recipes = {
+            row: load_recipe("tiny", [*sets, *COMMON], hub_weights=False)
+            for row, sets in rows.items()
+        }
+        dims = [d for d in DIMENSIONS if any(getattr(r.parallel, d) > 1 for r in recipes.values())]
         base = load_recipe("tiny", [*widen, *ONE, *COMMON], hub_weights=False)
-        profile = measure_profile(base, plan(base, name=name), name, dims=["cp", "ep", "tp"])
+        profile = measure_profile(base, plan(base, name=name), name, dims=dims)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             profile.save(f.name)
         print(f"# {name}: profile {f.name}", flush=True)
-        for row in args.rows:
-            sets = (*widen, *LAYOUTS[row])
-            recipe = load_recipe("tiny", [*sets, *COMMON], hub_weights=False)
-            planned = plan(recipe, name=name)
+        for row, sets in rows.items():
+            planned = plan(recipes[row], name=name)
             predicted = step_time(planned, hardware(), profile=profile).seconds
             measured = measured_step("tiny", sets, planned.world)
             print(

@@ -117,6 +117,16 @@ def test_activation_checkpointing_runs_the_forward_calls_again():
     assert after - before == pytest.approx(400 * 1e-5 + 0.004 * share)
 
 
+def test_a_one_device_profile_prices_only_a_plan_that_sends_nothing(tmp_path):
+    one = dataclasses.replace(PROFILE, link={"bytes_per_s": None, "latency_s": None, "ranks": 1})
+    one.save(tmp_path / "one.json")
+    assert Profile.load(tmp_path / "one.json") == one
+    work = _small_plan().work[0]
+    assert Measured(one, 1, 4, {}).link("fsdp_all_gather", 0, work) == 0
+    with pytest.raises(ValueError, match="measured on one device, with no link; this plan sends"):
+        Measured(one, 1, 4, {}).link("fsdp_all_gather", 10, work)
+
+
 def test_a_layouts_own_cost_is_paid_per_micro_batch_and_per_step():
     """The profile's measured TP cost (0.5 s per micro-batch, 2 s per step) on a TP plan: the
     micro-batch's times the rank's share of the layers; a dimension the profile did not

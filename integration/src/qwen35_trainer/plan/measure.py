@@ -44,6 +44,8 @@ from qwen35_trainer.plan.step_probe import CallCounter, probe_step, single_proce
 __all__ = ["CallCounter", "class_rates", "measure_profile", "timed"]
 
 OPTIMIZER_NUMEL = 1 << 24
+# a machine with one device measures no link: a one-rank plan sends nothing
+ONE_DEVICE_LINK = {"bytes_per_s": None, "latency_s": None, "ranks": 1, "message_bytes": 0}
 
 
 def call_cost(device: torch.device) -> float:
@@ -231,12 +233,13 @@ def measure_profile(
         ranks, cores = link_ranks or min(torch.cuda.device_count(), 8), 1
     else:
         ranks, cores = link_ranks or min(max(plan.world, 2), 8), os.cpu_count() or 1
-    if ranks < 2:
+    wanted = [d for d in DIMENSIONS if plan.layout.get(d, 1) > 1] if dims is None else dims
+    if ranks < 2 and (wanted or plan.world > 1):
         raise ValueError(
             f"--measure times the link and the layouts on 2 local ranks; this machine has "
-            f"{ranks} {device.type} device(s)"
+            f"{ranks} {device.type} device(s): measure a one-rank plan here"
         )
-    link = measure_link(ranks, plan)
+    link = measure_link(ranks, plan) if ranks > 1 else ONE_DEVICE_LINK
     profile = Profile(
         device=f"{device.type} ({name_of})",
         torch=torch.__version__,
@@ -257,7 +260,6 @@ def measure_profile(
         model=name,
         layouts={},
     )
-    wanted = [d for d in DIMENSIONS if plan.layout.get(d, 1) > 1] if dims is None else dims
     return dataclasses.replace(profile, layouts=layout_costs(recipe, profile, wanted))
 
 

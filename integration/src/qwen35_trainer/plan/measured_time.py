@@ -63,8 +63,15 @@ class Measured:
 
     def link(self, kind: str, n: int, work) -> float:
         link = self.profile.link
-        collectives = _collectives(kind, work) * self.microbatches if n else 0
-        if kind not in PER_MICROBATCH and n:
+        if not n:
+            return 0.0
+        if link["bytes_per_s"] is None:
+            raise ValueError(
+                f"the profile ({self.profile.model}) was measured on one device, with no link; "
+                f"this plan sends {kind}: measure it on a machine with 2 or more"
+            )
+        collectives = _collectives(kind, work) * self.microbatches
+        if kind not in PER_MICROBATCH:
             collectives = 3 * work.units
         return n / link["bytes_per_s"] + collectives * link["latency_s"]
 

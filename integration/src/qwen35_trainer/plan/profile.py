@@ -19,7 +19,8 @@ What it holds, each measured on its device by :func:`.measure.measure_profile`:
   2, per micro-batch and per step (:mod:`.layout_cost`);
 - ``memory_bytes_per_s``: the optimizer step's streaming rate (AdamW's bytes over its time);
 - ``link``: the local backend's collective bandwidth (bytes a rank sends per second) and latency
-  among ``ranks`` processes running side by side;
+  among ``ranks`` processes running side by side (``None`` on a machine of one device, which
+  prices only plans that send nothing);
 - ``cores``: what the measured processes shared, so that a plan running more ranks than cores
   on a CPU is priced as the time-sharing it is (:meth:`.measured_time.Measured.time_shared`).
 
@@ -100,7 +101,8 @@ class Profile:
         positive = [(f"flops_per_s.{c}", rates[c]) for c in CLASSES]
         positive += [(k, data[k]) for k in ("call_s", "memory_bytes_per_s")]
         link = data["link"] if isinstance(data["link"], dict) else {}
-        positive += [(f"link.{k}", link.get(k)) for k in ("bytes_per_s", "latency_s")]
+        if link.get("ranks") != 1:  # one device measures no link
+            positive += [(f"link.{k}", link.get(k)) for k in ("bytes_per_s", "latency_s")]
         positive += [
             (f"calls.{k}", (data["calls"] or {}).get(k)) for k in ("microbatch", "forward", "step")
         ]
