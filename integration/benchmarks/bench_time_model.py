@@ -31,8 +31,8 @@ from pathlib import Path
 
 from qwen35_trainer.plan import plan
 from qwen35_trainer.plan.hardware import hardware
-from qwen35_trainer.plan.layout_cost import DIMENSIONS
 from qwen35_trainer.plan.measure import measure_profile
+from qwen35_trainer.plan.profile import LAYOUT_DIMENSIONS
 from qwen35_trainer.plan.timing import step_time
 from qwen35_trainer.recipe import load_recipe
 
@@ -94,7 +94,11 @@ def main() -> None:
             row: load_recipe("tiny", [*sets, *COMMON], hub_weights=False)
             for row, sets in rows.items()
         }
-        dims = [d for d in DIMENSIONS if any(getattr(r.parallel, d) > 1 for r in recipes.values())]
+        dims = [
+            d
+            for d in LAYOUT_DIMENSIONS
+            if any(getattr(r.parallel, d) > 1 for r in recipes.values())
+        ]
         base = load_recipe("tiny", [*widen, *ONE, *COMMON], hub_weights=False)
         profile = measure_profile(base, plan(base, name=name), name, dims=dims)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

@@ -9,6 +9,10 @@
 - :mod:`.hardware`: the GPU profiles (H100 SXM, H200, B200) the step is timed on;
 - :mod:`.timing`: :func:`.timing.step_time` — step time, tokens/s/GPU, TFLOP/s/GPU, MFU and the
   exposed communication per group;
+- :mod:`.measure` (``plan --measure``): this machine measured at the plan's shapes — op classes,
+  calls (:mod:`.step_probe`), the local link (:mod:`.links`, :mod:`.local_ranks`), each parallel
+  dimension's own cost (:mod:`.layout_cost`) — into a :class:`.profile.Profile`, which
+  :mod:`.measured_time` prices the plan with (``--profile``);
 - :mod:`.published`: the model against the published Qwen3.6-35B-A3B runs;
 - :mod:`.world`: the fake process group;
 - :mod:`.report`: the table ``qwen35-train plan`` prints.

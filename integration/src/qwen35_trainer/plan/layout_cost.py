@@ -21,6 +21,7 @@ from qwen35_trainer.plan.traffic import PER_MICROBATCH
 
 __all__ = ["DIMENSIONS", "layout_costs"]
 
+# each of :data:`.profile.LAYOUT_DIMENSIONS` at degree 2, as the recipe's degrees
 DIMENSIONS = {"cp": {"cp": 2}, "ep": {"dp": 2, "ep": 2}, "tp": {"tp": 2}}
 TIMEOUT_S = 600
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from qwen35_trainer.plan.profile import Profile
+from qwen35_trainer.plan.profile import LAYOUT_DIMENSIONS, OP_CLASS, Profile
 from qwen35_trainer.plan.step_probe import CallCounter, probe_step, single_process, timed
 
 __all__ = ["CallCounter", "class_rates", "measure_profile", "timed"]
@@ -188,8 +188,6 @@ def unexplained(seconds: float, flops: dict, rates: dict, calls: float, call_s: 
     """What of ``seconds`` measured the op classes (``flops`` per kind executed) and the calls
     do not explain (elementwise ops, norms, activations: work no class's FLOPs count), never
     below 0."""
-    from qwen35_trainer.plan.timing import OP_CLASS
-
     classes = sum(f / rates[OP_CLASS[k]] for k, f in flops.items())
     return max(seconds - classes - calls * call_s, 0.0)
 
@@ -215,7 +213,7 @@ def measure_profile(
     import dataclasses
     import os
 
-    from qwen35_trainer.plan.layout_cost import DIMENSIONS, layout_costs
+    from qwen35_trainer.plan.layout_cost import layout_costs
     from qwen35_trainer.plan.links import measure_link
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -233,7 +231,7 @@ def measure_profile(
         ranks, cores = link_ranks or min(torch.cuda.device_count(), 8), 1
     else:
         ranks, cores = link_ranks or min(max(plan.world, 2), 8), os.cpu_count() or 1
-    wanted = [d for d in DIMENSIONS if plan.layout.get(d, 1) > 1] if dims is None else dims
+    wanted = [d for d in LAYOUT_DIMENSIONS if plan.layout.get(d, 1) > 1] if dims is None else dims
     if ranks < 2 and (wanted or plan.world > 1):
         raise ValueError(
             f"--measure times the link and the layouts on 2 local ranks; this machine has "

@@ -4,7 +4,7 @@
 Per planned rank and micro-batch:
 
 - **compute**: each kind's executed FLOPs over its op class's measured rate
-  (:data:`.timing.OP_CLASS`), plus the op calls of a micro-batch (the profile's count over the
+  (:data:`.profile.OP_CLASS`), plus the op calls of a micro-batch (the profile's count over the
   whole model, times the share of the decoder's layers this rank runs) at the measured fixed
   cost per call, plus the profile's unexplained seconds (``other``) times this rank's share of
   the forward FLOPs they were measured at;
@@ -25,7 +25,7 @@ Per planned rank and micro-batch:
 
 from __future__ import annotations
 
-from qwen35_trainer.plan.profile import Profile
+from qwen35_trainer.plan.profile import LAYOUT_DIMENSIONS, OP_CLASS, Profile
 from qwen35_trainer.plan.traffic import PER_MICROBATCH
 
 __all__ = ["Measured"]
@@ -35,11 +35,8 @@ class Measured:
     """Prices one plan's ranks on ``profile`` (module docstring); ``world``: its ranks."""
 
     def __init__(self, profile: Profile, world: int, microbatches: int, layout: dict) -> None:
-        from qwen35_trainer.plan.layout_cost import DIMENSIONS
-        from qwen35_trainer.plan.timing import OP_CLASS
-
         self.profile, self.op_class, self.microbatches = profile, OP_CLASS, microbatches
-        used = [d for d in DIMENSIONS if layout.get(d, 1) > 1]
+        used = [d for d in LAYOUT_DIMENSIONS if layout.get(d, 1) > 1]
         missing = [d for d in used if d not in profile.layouts]
         if missing:
             raise ValueError(

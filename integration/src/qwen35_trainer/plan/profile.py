@@ -5,7 +5,7 @@ writes one, :mod:`.measure`; ``--profile FILE`` reads it).
 What it holds, each measured on its device by :func:`.measure.measure_profile`:
 
 - ``flops_per_s``: each op class's throughput (``matmul``, ``head``, ``grouped``,
-  ``attention``, ``recurrence``: :data:`.timing.OP_CLASS`), forward and backward at the plan's
+  ``attention``, ``recurrence``: :data:`OP_CLASS`), forward and backward at the plan's
   own per-rank shapes, with the fixed cost of the op calls it made taken out;
 - ``call_s``: the fixed cost of one op call (dispatch, autograd, a kernel launch on a GPU):
   what dominates a small model's step, where most of the ~40,000 calls move a few kB;
@@ -33,9 +33,24 @@ import dataclasses
 import json
 from pathlib import Path
 
-__all__ = ["CLASSES", "Profile"]
+__all__ = ["CLASSES", "LAYOUT_DIMENSIONS", "OP_CLASS", "Profile"]
 
 CLASSES = ("matmul", "head", "grouped", "attention", "recurrence")
+# the op class each kind of FLOPs (:data:`qwen35_trainer.model.flops.KINDS`) runs in
+OP_CLASS = {
+    "attention": "matmul",
+    "attention_core": "attention",
+    "gdn": "matmul",
+    "gdn_core": "recurrence",
+    "shared_expert": "matmul",
+    "experts": "grouped",
+    "mtp": "matmul",
+    "loss": "head",
+    "vision": "matmul",
+    "vision_core": "attention",
+}
+# the parallel dimensions whose own cost a profile measures (:mod:`.layout_cost`)
+LAYOUT_DIMENSIONS = ("cp", "ep", "tp")
 VERSION = 1
 
 

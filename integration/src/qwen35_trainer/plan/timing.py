@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from qwen35_trainer.plan.flags import named_values
 from qwen35_trainer.plan.hardware import Hardware
 from qwen35_trainer.plan.nodes import crossing_groups
-from qwen35_trainer.plan.profile import Profile
+from qwen35_trainer.plan.profile import OP_CLASS, Profile
 from qwen35_trainer.plan.traffic import PER_MICROBATCH
 
 if TYPE_CHECKING:
@@ -54,18 +54,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CALIBRATION", "OP_CLASS", "RATIOS", "SCALE", "Efficiency", "StepTime", "step_time"]
 
-OP_CLASS = {
-    "attention": "matmul",
-    "attention_core": "attention",
-    "gdn": "matmul",
-    "gdn_core": "recurrence",
-    "shared_expert": "matmul",
-    "experts": "grouped",
-    "mtp": "matmul",
-    "loss": "head",
-    "vision": "matmul",
-    "vision_core": "attention",
-}
 # the decoder projections' efficiency, fit so that the calibration run's predicted step time
 # equals the published one (:func:`qwen35_trainer.plan.published.calibrate`)
 SCALE = 0.144
