@@ -87,8 +87,9 @@ def probe_step(recipe, device: torch.device, dims=None) -> Probe:
     from safe_optim import build_optimizer
 
     started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if started:  # collectives on the device's own backend (NCCL needs CUDA tensors)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         objective, layout = build_training_model(recipe, device, dims=dims)
         feed = Feed(recipe, objective.model.config, layout, device)
