@@ -111,8 +111,8 @@ def test_activation_checkpointing_runs_the_forward_calls_again():
     """The same work with the forward run again: the forward's 400 calls and its 4 ms of
     unexplained seconds (times the FLOP share) more; its FLOPs are the passes'."""
     work = _small_plan().work[0]
-    before = Measured(PROFILE, 4, 4, {}).compute(work)
-    after = Measured(PROFILE, 4, 4, {}).compute(dataclasses.replace(work, recompute=1.0))
+    before = Measured(PROFILE, 4, {}).compute(work)
+    after = Measured(PROFILE, 4, {}).compute(dataclasses.replace(work, recompute=1.0))
     share = sum(work.forward.values()) / 1e12
     assert after - before == pytest.approx(400 * 1e-5 + 0.004 * share)
 
@@ -122,9 +122,9 @@ def test_a_one_device_profile_prices_only_a_plan_that_sends_nothing(tmp_path):
     one.save(tmp_path / "one.json")
     assert Profile.load(tmp_path / "one.json") == one
     work = _small_plan().work[0]
-    assert Measured(one, 1, 4, {}).link("fsdp_all_gather", 0, work) == 0
+    assert Measured(one, 4, {}).link("fsdp_all_gather", 0, work) == 0
     with pytest.raises(ValueError, match="measured on one device, with no link; this plan sends"):
-        Measured(one, 1, 4, {}).link("fsdp_all_gather", 10, work)
+        Measured(one, 4, {}).link("fsdp_all_gather", 10, work)
 
 
 def test_a_layouts_own_cost_is_paid_per_micro_batch_and_per_step():
@@ -134,11 +134,11 @@ def test_a_layouts_own_cost_is_paid_per_micro_batch_and_per_step():
     planned = _small_plan()
     work = dataclasses.replace(planned.work[0], layer_share=0.25)
     mem = planned.ranks[0]
-    plain, tp = Measured(PROFILE, 4, 4, {}), Measured(PROFILE, 4, 4, {"tp": 2, "pp": 2})
+    plain, tp = Measured(PROFILE, 4, {}), Measured(PROFILE, 4, {"tp": 2, "pp": 2})
     assert tp.compute(work) - plain.compute(work) == pytest.approx(0.5 * 0.25)
     assert tp.optimizer(mem, 4) - plain.optimizer(mem, 4) == pytest.approx(2.0)
     with pytest.raises(ValueError, match=r"no measured cost for \['cp'\]"):
-        Measured(PROFILE, 4, 4, {"cp": 2})
+        Measured(PROFILE, 4, {"cp": 2})
 
 
 def test_doubled_gemm_throughput_halves_the_gemms_time():
@@ -151,8 +151,8 @@ def test_doubled_gemm_throughput_halves_the_gemms_time():
     )
     assert gemms > 0
     faster = PROFILE.with_rates(matmul=2 * PROFILE.flops_per_s["matmul"])
-    before = Measured(PROFILE, 4, 4, {}).compute(work)
-    after = Measured(faster, 4, 4, {}).compute(work)
+    before = Measured(PROFILE, 4, {}).compute(work)
+    after = Measured(faster, 4, {}).compute(work)
     assert before - after == pytest.approx(gemms / 2)
     with pytest.raises(ValueError, match="unknown op classes"):
         PROFILE.with_rates(gemm=1.0)

@@ -52,7 +52,7 @@ def layout_costs(recipe, profile, dims: list[str]) -> dict[str, dict[str, float]
         seconds = {k: max(r[0][k] for r in ranks.values()) for k in ("microbatch", "step")}
         m = next(iter(ranks.values()))[1]
         planned = plan(two, name=f"{dim} 2")
-        prices = Measured(profile, planned.world, m, {})
+        prices = Measured(profile, m, {})
         work, mem, traffic = planned.work[0], planned.ranks[0], planned.rank_traffic[0]
         per_micro = sum(prices.link(k, n, work) for k, n in traffic.items() if k in PER_MICROBATCH)
         once = sum(prices.link(k, n, work) for k, n in traffic.items() if k not in PER_MICROBATCH)

@@ -32,9 +32,10 @@ __all__ = ["Measured"]
 
 
 class Measured:
-    """Prices one plan's ranks on ``profile`` (module docstring); ``world``: its ranks."""
+    """Prices one plan's ranks on ``profile`` (module docstring): ``microbatches`` per step,
+    ``layout`` its degrees (the dimensions whose own cost it pays)."""
 
-    def __init__(self, profile: Profile, world: int, microbatches: int, layout: dict) -> None:
+    def __init__(self, profile: Profile, microbatches: int, layout: dict) -> None:
         self.profile, self.op_class, self.microbatches = profile, OP_CLASS, microbatches
         used = [d for d in LAYOUT_DIMENSIONS if layout.get(d, 1) > 1]
         missing = [d for d in used if d not in profile.layouts]

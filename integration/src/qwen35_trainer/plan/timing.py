@@ -185,7 +185,7 @@ def step_time(
     if profile is not None:
         from qwen35_trainer.plan.measured_time import Measured
 
-        prices = Measured(profile, plan.world, step.microbatches, plan.layout)
+        prices = Measured(profile, step.microbatches, plan.layout)
     else:
         prices = _Datasheet(gpu, efficiency or Efficiency(), crossing_groups(step.dims, node_gpus))
     m = step.microbatches
