@@ -12,7 +12,15 @@ process here). Layouts: one process, with
 activation checkpointing, DP 2, CP 2 · EP 2, TP 2 + SP, PP 2 (1F1B), PP 2 interleaved zero bubble,
 PP 2 × DP 2 (the PP rows with 2 micro-batches).
 
+Then the memory of the same rows (``--what memory``): each planned rank's counted peak
+(:attr:`qwen35_trainer.plan.memory.Memory.peak`, the tensors the planner counts) against the
+peak one step of that layout really allocates on that rank
+(:func:`qwen35_trainer.plan.memory_probe.rank_peaks`: the ranks side by side, the trainer's own
+step, its tensors' peak read from the allocator), printed for the rank whose ratio is furthest
+from 1. Goal: every row within ±10 %.
+
     python benchmarks/bench_time_model.py [--recipes NAME ...] [--rows NAME ...]
+        [--what time memory]
 
 On a machine with one GPU (``tools/gpu_checks.py``): ``--recipes tiny --rows "one process"
 "one process, AC"``, the rows one device runs (the CLI trains on CUDA where present).
@@ -32,6 +40,7 @@ from pathlib import Path
 from qwen35_trainer.plan import plan
 from qwen35_trainer.plan.hardware import hardware
 from qwen35_trainer.plan.measure import measure_profile
+from qwen35_trainer.plan.memory_probe import rank_peaks
 from qwen35_trainer.plan.profile import LAYOUT_DIMENSIONS
 from qwen35_trainer.plan.timing import step_time
 from qwen35_trainer.recipe import load_recipe
@@ -81,15 +90,44 @@ def measured_step(recipe: str, sets: tuple[str, ...], world: int) -> float:
     return statistics.median(seconds)
 
 
+def memory_rows(names: list[str], rows: list[str]) -> None:
+    """Per recipe and layout: the counted peak and the measured one of the planned rank
+    furthest from its measurement (MiB)."""
+    print(f"{'recipe':<9} {'layout':<21} {'rank':>4} {'counted':>8} {'measured':>9} {'ratio':>6}")
+    for name in names:
+        for row in rows:
+            recipe = load_recipe(
+                "tiny", [*RECIPES[name], *LAYOUTS[row], *COMMON], hub_weights=False
+            )
+            planned = plan(recipe, name=name)
+            peaks = rank_peaks(recipe, planned.world)
+            ratios = {r: m.peak / peaks[r].allocated for r, m in planned.ranks.items()}
+            rank = max(ratios, key=lambda r: abs(ratios[r] - 1))
+            counted, measured = planned.ranks[rank].peak / 2**20, peaks[rank].allocated / 2**20
+            print(
+                f"{name:<9} {row:<21} {rank:>4} {counted:8.1f} {measured:9.1f} {ratios[rank]:6.2f}",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--what", nargs="*", default=["time", "memory"], choices=["time", "memory"])
     args = parser.parse_args()
+    if "time" in args.what:
+        time_rows(args.recipes, args.rows)
+    if "memory" in args.what:
+        memory_rows(args.recipes, args.rows)
+
+
+def time_rows(names: list[str], layouts: list[str]) -> None:
+    """Per recipe: one profile, then each layout's predicted and measured step (seconds)."""
     print(f"{'recipe':<9} {'layout':<21} {'predicted':>10} {'measured':>9} {'ratio':>6}")
-    for name in args.recipes:
+    for name in names:
         widen = RECIPES[name]
-        rows = {row: (*widen, *LAYOUTS[row]) for row in args.rows}
+        rows = {row: (*widen, *LAYOUTS[row]) for row in layouts}
         recipes = {
             row: load_recipe("tiny", [*sets, *COMMON], hub_weights=False)
             for row, sets in rows.items()

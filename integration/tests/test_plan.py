@@ -15,9 +15,10 @@ from helpers import ONE_PROCESS, SYNTHETIC, TINY
 from dist_testkit import named_check, run_checks
 from qwen35_trainer import load_recipe
 from qwen35_trainer.cli import main
+from qwen35_trainer.model.config import build_config
 from qwen35_trainer.plan import plan
-from qwen35_trainer.plan.memory import LOSS_CHUNK_BYTES
-from qwen35_trainer.plan.planner import rank_processes
+from qwen35_trainer.plan.memory import loss_chunk_bytes
+from qwen35_trainer.plan.planner import rank_processes, row_shape
 
 # world-4 layouts of the tiny recipe: its own (DP 2 x CP 2 with EP 2) and TP 2 x EP 2 in bf16
 SMALL = {
@@ -276,7 +277,11 @@ def test_predicted_saved_activations_are_within_20_percent(layout, world, reques
     the planner's stage-0 activations over the 2 micro-batches it holds in flight; its tower is
     checkpointed whole, so the tower blocks' inputs (planned in ``recompute``) are not saved."""
     overrides = (*SYNTHETIC, *layout, *FIXED)
-    predicted = plan(load_recipe(TINY, overrides)).ranks
+    recipe = load_recipe(TINY, overrides)
+    predicted = plan(recipe).ranks
+    chunk = loss_chunk_bytes(
+        build_config(recipe.model).text_config, row_shape(recipe, recipe.parallel.cp)
+    )
     in_flight = 2 if "parallel.pp=2" in layout else 1
     if world == 1:
         values = [saved_activation_bytes(overrides)]
@@ -288,7 +293,7 @@ def test_predicted_saved_activations_are_within_20_percent(layout, world, reques
         values = request.getfixturevalue("world2").assert_passed(f"saved_{name}")
     measured = {value["rank"]: value for value in values}
     for rank, mem in predicted.items():
-        expected = (mem.activations + mem.loss - LOSS_CHUNK_BYTES * bool(mem.loss)) / in_flight
+        expected = (mem.activations + mem.loss - chunk * bool(mem.loss)) / in_flight
         got = measured[rank]["saved"]
         if got is None:  # a rank without the first stage (PP): not measured
             continue

@@ -35,6 +35,15 @@ PROFILE = Profile(
     backend="nccl",
     model="test",
     layouts={"tp": {"microbatch": 0.5, "step": 2.0}},
+    # a step of 10 GiB of tensors at its peak, 4 of them persistent, 13 reserved: the
+    # allocator's reserve 3 GiB over 6 transient, fragmentation 0.5
+    memory={
+        "allocated": 10 * 2**30,
+        "persistent": 4 * 2**30,
+        "reserved": 13 * 2**30,
+        "counted": 9 * 2**30,
+        "counted_persistent": 4 * 2**30,
+    },
 )
 
 
@@ -55,7 +64,9 @@ def test_a_profile_round_trips(tmp_path):
     "change, message",
     [
         (lambda d: d.pop("call_s"), "missing keys ['call_s']"),
-        (lambda d: d.update(version=7), "expected a profile of version 1"),
+        (lambda d: d.update(version=7), "expected a profile of version 2"),
+        (lambda d: d["memory"].pop("reserved"), "memory lacks 'reserved' (null on a CPU)"),
+        (lambda d: d["memory"].update(allocated=0), "memory.allocated must be a number > 0"),
         (lambda d: d["flops_per_s"].pop("grouped"), "lacks the op classes ['grouped']"),
         (lambda d: d["link"].update(bytes_per_s=0), "link.bytes_per_s must be a number > 0"),
         (lambda d: d.update(data_s=-1), "data_s must be a number >= 0, got -1"),
@@ -63,7 +74,7 @@ def test_a_profile_round_trips(tmp_path):
 )
 def test_a_bad_profile_is_one_error_naming_the_file_and_key(tmp_path, change, message):
     path = tmp_path / "p.json"
-    data = {"version": 1, **dataclasses.asdict(PROFILE)}
+    data = {"version": 2, **dataclasses.asdict(PROFILE)}
     change(data)
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"--profile .*p\.json: ") as err:
@@ -185,7 +196,8 @@ def test_plan_measure_writes_a_profile_that_plan_profile_reads(tmp_path, capsys)
     """Through the CLI on the tiny recipe at CP 2 (world 2; seconds): --measure writes the
     profile (this CPU, every class, the calls counted, the link among 2 gloo processes, CP's
     own cost timed on 2 ranks) and prints the step on it; --profile with that file prints the
-    same step; a plan with a dimension the profile lacks is refused."""
+    same step; a plan with a dimension the profile lacks is refused. The profile also holds
+    one process's measured step memory beside the planner's count, and the plan prints both."""
     path = tmp_path / "profile.json"
     sets = ["--set", "parallel.cp=2", "--set", "parallel.ep=1", "--set", "parallel.dp=1"]
     assert main(["plan", "tiny", *sets, "--measure", str(path)]) == 0
@@ -196,6 +208,10 @@ def test_plan_measure_writes_a_profile_that_plan_profile_reads(tmp_path, capsys)
     assert all(profile.flops_per_s[c] > 0 for c in CLASSES)
     assert set(profile.layouts) == {"cp"} and profile.layouts["cp"]["microbatch"] >= 0
     assert "step time on the measured cpu" in measured
+    # one process's step: more than the parameters and AdamW's state, which the planner counts
+    memory = profile.memory
+    assert memory["allocated"] > memory["persistent"] >= memory["counted_persistent"] > 0
+    assert memory["reserved"] is None and "memory of one process's step of tiny" in measured
     assert main(["plan", "tiny", *sets, "--profile", str(path)]) == 0
     step = [line for line in measured.splitlines() if line.strip().startswith("step ")]
     assert step and step[0] in capsys.readouterr().out
@@ -204,3 +220,18 @@ def test_plan_measure_writes_a_profile_that_plan_profile_reads(tmp_path, capsys)
     assert "no measured cost for ['tp']" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one or the other
         main(["plan", "tiny", "--profile", str(path), "--measure", str(path)])
+
+
+def test_a_gpu_profiles_measured_reserve_replaces_the_stated_one(tmp_path):
+    """``--profile`` with a GPU profile (its step reserved 3 GiB over 6 GiB of transient
+    tensors: fragmentation 0.5): the plan's allocator reserve is 0.5 of its own transient
+    tensors, not the stated 1.0; ``--headroom fragmentation=2`` still states it."""
+    path, out = tmp_path / "gpu.json", tmp_path / "plan.json"
+    PROFILE.save(path)
+    one = ["--set", "parallel.dp=1", "--set", "parallel.cp=1", "--set", "parallel.ep=1"]
+    for stated, factor in (([], 0.5), (["--headroom", "fragmentation=2"], 2.0)):
+        args = ["plan", "tiny", *one, "--profile", str(path), "--json", str(out), *stated]
+        assert main(args) == 0
+        planned = json.loads(out.read_text())
+        reserve = planned["headroom_gib"]["allocator reserve"]
+        assert reserve == pytest.approx(factor * planned["transient_gib"])

@@ -12,7 +12,7 @@ from _count import MatmulCounter
 from _reference import make_inputs, reference
 from torch._dynamo.utils import counters
 
-from chunked_loss import _checks, _compat, _kernels, linear_cross_entropy
+from chunked_loss import _checks, _compat, _kernels, linear_chunk_bytes, linear_cross_entropy
 from dist_testkit import assert_close
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -133,6 +133,16 @@ def test_chunk_size_from_the_memory_budget(monkeypatch):
     with MatmulCounter() as count:
         linear_cross_entropy(h, w, labels, grad_in_forward=True, compiled=False)
     assert count.count == 3 * 4
+
+
+def test_chunk_bytes_are_one_chunk_of_the_rows_at_most():
+    """The working set one call holds: a full chunk at the budget where the rows exceed it, the
+    rows' own bytes where they are fewer (a small vocabulary or a short row)."""
+    full = 269 * (4 * 248320 + 4 * 1024)
+    assert linear_chunk_bytes(10_000, 248320, 1024, torch.float32) == full
+    assert full <= _checks.CHUNK_BUDGET_BYTES
+    assert linear_chunk_bytes(1024, 6144, 512, torch.bfloat16) == 1024 * (6 * 6144 + 6 * 512)
+    assert linear_chunk_bytes(0, 6144, 512, torch.float32) == 0
 
 
 @pytest.mark.parametrize("bias", [True, False])

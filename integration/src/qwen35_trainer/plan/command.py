@@ -9,6 +9,7 @@ fastest first (:mod:`.search`); exit 0 when one fits."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -123,6 +124,7 @@ def plan_main(argv: list[str]) -> int:
             headroom=headroom,
         )
         profile = _profile(args, recipe, result)
+        result = _measured_reserve(result, profile, args.headroom)
         timing = step_time(result, gpu, efficiency, args.node_gpus, profile)
     except (OSError, ValueError) as err:
         print(f"qwen35-train plan: {err}", file=sys.stderr)
@@ -148,6 +150,17 @@ def _profile(args, recipe, planned):
     profile.save(args.measure)
     print(f"qwen35-train plan: measured profile written to {args.measure}", file=sys.stderr)
     return profile
+
+
+def _measured_reserve(planned, profile, stated: list[str]):
+    """``planned`` with the allocator reserve a GPU profile measured
+    (:attr:`.profile.Profile.fragmentation`), unless ``--headroom fragmentation=`` states one."""
+    if profile is None or profile.fragmentation is None:
+        return planned
+    if any(item.startswith("fragmentation=") for item in stated):
+        return planned
+    headroom = dataclasses.replace(planned.headroom, fragmentation=profile.fragmentation)
+    return dataclasses.replace(planned, headroom=headroom)
 
 
 def _json(planned, timing) -> dict:

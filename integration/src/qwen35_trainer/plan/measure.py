@@ -28,7 +28,9 @@ backward, after one warm-up, the median of a few runs:
 - the optimizer's streaming rate: AdamW over the rank's trained parameters (at most 2^24);
 - the link: :func:`.links.measure_link` — ``ranks`` processes side by side on the local backend;
 - each parallel dimension the plan uses, its own cost at degree 2 on 2 local ranks
-  (:mod:`.layout_cost`).
+  (:mod:`.layout_cost`);
+- the memory of one step in one process (:func:`.memory_probe.measure_peak`) beside what the
+  planner counts for it (:func:`_memory`).
 """
 
 from __future__ import annotations
@@ -257,8 +259,26 @@ def measure_profile(
         backend="nccl" if device.type == "cuda" else "gloo",
         model=name,
         layouts={},
+        memory=_memory(one, device),
     )
     return dataclasses.replace(profile, layouts=layout_costs(recipe, profile, wanted))
+
+
+def _memory(one, device: torch.device) -> dict[str, int | None]:
+    """One process's measured step (:func:`.memory_probe.measure_peak`) and the planner's
+    count for the same process (:class:`.profile.Profile`'s ``memory``)."""
+    from qwen35_trainer.plan.memory_probe import measure_peak
+    from qwen35_trainer.plan.planner import plan
+
+    peak = measure_peak(one, device)
+    counted = plan(one).ranks[0]
+    return {
+        "allocated": peak.allocated,
+        "persistent": peak.persistent,
+        "reserved": peak.reserved,
+        "counted": counted.peak,
+        "counted_persistent": counted.parameters + counted.optimizer,
+    }
 
 
 def _cpu_name() -> str:

@@ -30,8 +30,9 @@ with a real run's saved tensors):
   projections, the MoE's routed rows (``k·S`` rows times the ``ROUTING_SKEW`` factor for the
   busiest EP rank) and the shared expert;
 - ``loss``: the chunked loss's fp32 gradients kept from the forward (``grad_hidden S·H·4`` and,
-  when ``lm_head`` trains, ``grad_weight V·H·4``) plus one chunk's working set (chunked-loss's
-  256 MiB budget);
+  when ``lm_head`` trains, ``grad_weight V·H·4``) plus one chunk's working set
+  (:func:`loss_chunk_bytes`: chunked-loss's own rule, at most its 256 MiB budget, fewer bytes
+  where the row's ``S`` tokens or the vocabulary are small);
 - ``fsdp_buffers``: the largest unit unsharded twice (the running and the prefetched unit) —
   what trains in ``b`` (cast for the compute), what is frozen in its storage dtype (gathered
   as stored: a LoRA run's bf16 or FP8 base) — plus its
@@ -77,11 +78,10 @@ from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.weights.shards import local_index
 from qwen35_trainer.plan.stages import StageView
 
-__all__ = ["ROUTING_SKEW", "Memory", "Shape", "memory", "parameter_bytes"]
+__all__ = ["ROUTING_SKEW", "Memory", "Shape", "loss_chunk_bytes", "memory", "parameter_bytes"]
 
 # Assumed tokens on the busiest EP rank over the mean (routing is not balanced exactly).
 ROUTING_SKEW = 1.5
-LOSS_CHUNK_BYTES = 256 << 20
 # the entries of one FP8 block's decode table: a value per byte
 _BYTE_VALUES = 256
 
@@ -122,6 +122,16 @@ class Memory:
             return total
         held = self.parameters + self.optimizer + self.pp_grads
         return held + max(total - held - self.gradients, self.gradients)
+
+
+def loss_chunk_bytes(text, shape: Shape) -> int:
+    """The chunked loss's working set on a rank whose row holds ``S`` tokens: one chunk of
+    them (:func:`chunked_loss.linear_chunk_bytes`; ``lm_head`` stays whole under TP, so the
+    whole vocabulary)."""
+    from chunked_loss import linear_chunk_bytes
+
+    dtype = torch.bfloat16 if shape.compute_bytes == 2 else torch.float32
+    return linear_chunk_bytes(shape.tokens, text.vocab_size, text.hidden_size, dtype)
 
 
 def _local_numel(param: torch.Tensor) -> int:
@@ -282,7 +292,7 @@ def memory(
     loss = 0
     if stage.last:
         head_trains = model.lm_head.weight.requires_grad  # a LoRA run's lm_head is frozen
-        loss = s * h * 4 + text.vocab_size * h * 4 * head_trains + LOSS_CHUNK_BYTES
+        loss = s * h * 4 + text.vocab_size * h * 4 * head_trains + loss_chunk_bytes(text, shape)
     covered = {id(p) for u in units for p in u.parameters()}
     outside = [p for p in model.parameters() if id(p) not in covered]
     no_sync = pipelined and sharded  # torch's stages reduce-scatter after the last backward only

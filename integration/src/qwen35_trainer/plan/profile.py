@@ -21,6 +21,13 @@ What it holds, each measured on its device by :func:`.measure.measure_profile`:
 - ``link``: the local backend's collective bandwidth (bytes a rank sends per second) and latency
   among ``ranks`` processes running side by side (``None`` on a machine of one device, which
   prices only plans that send nothing);
+- ``memory``: the bytes one step of the recipe in one process really took on this device
+  (:mod:`.memory_probe`: ``allocated``, the tensors' peak; ``persistent``, of it, the
+  parameters and optimizer state; ``reserved``, the CUDA allocator's peak, ``None`` on a CPU)
+  beside what the planner counts for that same process (``counted``, its tensors' peak;
+  ``counted_persistent``): the planner's counted tensors checked against a measurement, and on
+  a GPU the allocator's reserve measured (:attr:`Profile.fragmentation`, which replaces the
+  stated ``fragmentation`` of :mod:`.headroom` when the plan is priced with this profile);
 - ``cores``: what the measured processes shared, so that a plan running more ranks than cores
   on a CPU is priced as the time-sharing it is (:meth:`.measured_time.Measured.time_shared`).
 
@@ -51,7 +58,8 @@ OP_CLASS = {
 }
 # the parallel dimensions whose own cost a profile measures (:mod:`.layout_cost`)
 LAYOUT_DIMENSIONS = ("cp", "ep", "tp")
-VERSION = 1
+VERSION = 2
+MEMORY_KEYS = ("allocated", "persistent", "counted", "counted_persistent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +81,23 @@ class Profile:
     link: dict[str, float]  # "bytes_per_s", "latency_s", "ranks"
     backend: str  # the collectives' backend: gloo, nccl
     model: str  # what the call counts were counted on
+    # one process's step: "allocated", "persistent", "reserved" (None on a CPU), "counted",
+    # "counted_persistent" (bytes)
+    memory: dict[str, int | None]
 
     @property
     def on_cpu(self) -> bool:
         return self.device.startswith("cpu")
+
+    @property
+    def fragmentation(self) -> float | None:
+        """The allocator's measured reserve over the tensors a step allocated and freed
+        (:attr:`.memory_probe.MemoryPeak.fragmentation`); ``None`` where nothing was reserved
+        (a CPU)."""
+        from qwen35_trainer.plan.memory_probe import MemoryPeak
+
+        m = self.memory
+        return MemoryPeak(m["allocated"], m["persistent"], m["reserved"]).fragmentation
 
     def with_rates(self, **rates: float) -> Profile:
         """This profile with some op classes' throughputs replaced (FLOP/s)."""
@@ -122,6 +143,12 @@ class Profile:
             (f"calls.{k}", (data["calls"] or {}).get(k)) for k in ("microbatch", "forward", "step")
         ]
         positive += [("other.flops", (data["other"] or {}).get("flops"))]
+        memory = data["memory"] if isinstance(data["memory"], dict) else {}
+        if "reserved" not in memory:
+            raise ValueError(f"--profile {path}: memory lacks 'reserved' (null on a CPU)")
+        positive += [(f"memory.{k}", memory.get(k)) for k in MEMORY_KEYS]
+        if memory.get("reserved") is not None:
+            positive += [("memory.reserved", memory["reserved"])]
         other = data["other"] if isinstance(data["other"], dict) else {}
         at_least_0 = [("data_s", data["data_s"])]
         at_least_0 += [(f"other.{k}", other.get(k)) for k in ("seconds", "forward_seconds")]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from qwen35_trainer.plan.planner import GIB, Plan
 from qwen35_trainer.plan.timing import StepTime
 
-__all__ = ["format_plan", "format_time"]
+__all__ = ["format_memory_check", "format_plan", "format_time"]
 
 
 def format_time(t: StepTime) -> list[str]:
@@ -42,6 +42,26 @@ def format_time(t: StepTime) -> list[str]:
     return lines
 
 
+def format_memory_check(profile) -> list[str]:
+    """The measured profile's step of one process (:attr:`.profile.Profile.memory`) against
+    the planner's count for it, and on a GPU the allocator's measured reserve."""
+    m = profile.memory
+    lines = [
+        f"memory of one process's step of {profile.model}, measured on {profile.device}",
+        f"  {'tensors at the peak':<27}{m['allocated'] / GIB:8.2f}   (of which persistent "
+        f"{m['persistent'] / GIB:.2f})",
+        f"  {'counted by the planner':<27}{m['counted'] / GIB:8.2f}   "
+        f"({m['counted'] / m['allocated']:.2f}x the measured; persistent "
+        f"{m['counted_persistent'] / GIB:.2f})",
+    ]
+    if profile.fragmentation is not None:
+        lines.append(
+            f"  {'allocator reserved':<27}{m['reserved'] / GIB:8.2f}   (fragmentation "
+            f"{profile.fragmentation:.2f} of the step's transient tensors: the reserve above)"
+        )
+    return lines
+
+
 def format_plan(p: Plan, timing: StepTime | None = None) -> str:
     """The plan as the table the command prints (``timing``: its step on a GPU)."""
     layout = " x ".join(f"{k} {v}" for k, v in p.layout.items() if v > 1) or "one rank"
@@ -70,6 +90,8 @@ def format_plan(p: Plan, timing: StepTime | None = None) -> str:
         "(--headroom NAME=VALUE to change)",
     ]
     lines += [f"  {term:<27}{n / GIB:8.2f}" for term, n in p.headroom_terms.items()]
+    if timing is not None and timing.profile is not None:
+        lines += ["", *format_memory_check(timing.profile)]
     lines += ["", "communication per step (GiB sent per rank)"]
     lines += [f"  {kind:<19}{n / GIB:12.2f}" for kind, n in p.communication.items()]
     if p.bubble is not None:

@@ -9,6 +9,7 @@ feed's seconds per step."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -18,7 +19,16 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CallCounter", "Probe", "probe_step", "single_process", "timed"]
+__all__ = [
+    "CallCounter",
+    "Probe",
+    "TrainerStep",
+    "probe_step",
+    "process_group",
+    "single_process",
+    "timed",
+    "trainer_step",
+]
 
 REPEATS = 3
 
@@ -75,30 +85,76 @@ class Probe:
     config: Any
 
 
-def probe_step(recipe, device: torch.device, dims=None) -> Probe:
-    """The module docstring's measurements of ``recipe`` on this rank (``dims``: its layout on
-    the running process group; ``None``: one process, a group of 1 started if none runs)."""
+@contextlib.contextmanager
+def process_group(device: torch.device):
+    """The running process group, or, where none runs, a group of this process alone for the
+    block (on the device's own backend: NCCL needs CUDA tensors)."""
     import torch.distributed as dist
 
-    from qwen35_trainer.data.feed import Feed
-    from qwen35_trainer.model import build_training_model
-    from qwen35_trainer.train.pipeline_step import step_function
-    from qwen35_trainer.train.step import count_targets
-    from safe_optim import build_optimizer
-
     started = not dist.is_initialized()
-    if started:  # collectives on the device's own backend (NCCL needs CUDA tensors)
+    if started:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        objective, layout = build_training_model(recipe, device, dims=dims)
-        feed = Feed(recipe, objective.model.config, layout, device)
-        micro, _ = feed.step(0)
-        data_s = statistics.median(feed.step(s)[1].seconds for s in range(1, 1 + REPEATS))
-        params = [p for p in objective.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, "adamw", lr=1e-6)
-        valid, _ = count_targets(micro, layout, device)
-        batch, packed = micro[0]
+        yield
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+@dataclasses.dataclass
+class TrainerStep:
+    """The trainer's own step of a recipe on this rank, ready to run: ``run()`` is
+    :func:`qwen35_trainer.train.pipeline_step.step_function` over step 0's micro-batches
+    (``micro``) with an AdamW optimizer."""
+
+    objective: Any
+    layout: Any
+    feed: Any
+    micro: list
+    optimizer: Any
+    run: Callable[[], None]
+
+
+def trainer_step(recipe, device: torch.device, dims=None) -> TrainerStep:
+    """:class:`TrainerStep` of ``recipe`` built by the trainer's code on the running process
+    group (``dims``: its layout; ``None``: one process)."""
+    from qwen35_trainer.data.feed import Feed
+    from qwen35_trainer.model import build_training_model
+    from qwen35_trainer.train.pipeline_step import step_function
+    from safe_optim import build_optimizer
+
+    objective, layout = build_training_model(recipe, device, dims=dims)
+    feed = Feed(recipe, objective.model.config, layout, device)
+    micro, _ = feed.step(0)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, "adamw", lr=1e-6)
+
+    def run():
+        step_function(objective)(
+            objective,
+            optimizer,
+            micro,
+            layout,
+            aux_coef=0.001,
+            grad_clip=recipe.train.grad_clip,
+            device=device,
+        )
+
+    return TrainerStep(objective, layout, feed, micro, optimizer, run)
+
+
+def probe_step(recipe, device: torch.device, dims=None) -> Probe:
+    """The module docstring's measurements of ``recipe`` on this rank (``dims``: its layout on
+    the running process group; ``None``: one process, a group of 1 started if none runs)."""
+    from qwen35_trainer.train.step import count_targets
+
+    with process_group(device):
+        built = trainer_step(recipe, device, dims)
+        objective, layout = built.objective, built.layout
+        data_s = statistics.median(built.feed.step(s)[1].seconds for s in range(1, 1 + REPEATS))
+        valid, _ = count_targets(built.micro, layout, device)
+        batch, packed = built.micro[0]
 
         def forward():
             return objective(batch, layout.loss_group, packed, num_valid_tokens=valid)
@@ -107,23 +163,9 @@ def probe_step(recipe, device: torch.device, dims=None) -> Probe:
             out = forward()
             getattr(out, "loss", out[0] if isinstance(out, tuple) else out).backward()
 
-        def whole_step():
-            step_function(objective)(
-                objective,
-                optimizer,
-                micro,
-                layout,
-                aux_coef=0.001,
-                grad_clip=recipe.train.grad_clip,
-                device=device,
-            )
-
         seconds, calls = {}, {}
         for name, run in (("microbatch", forward_backward), ("forward", forward)):
             seconds[name], calls[name] = timed(run, device)
-        seconds["step"], calls["step"] = timed(whole_step, device, repeats=1)
-    finally:
-        if started:
-            dist.destroy_process_group()
+        seconds["step"], calls["step"] = timed(built.run, device, repeats=1)
     calls = {k: float(v) for k, v in calls.items()}
-    return Probe(seconds, calls, data_s, len(micro), objective.model.config)
+    return Probe(seconds, calls, data_s, len(built.micro), objective.model.config)

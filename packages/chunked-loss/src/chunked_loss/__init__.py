@@ -5,8 +5,10 @@
 - :func:`chunked_cross_entropy` — cross-entropy of existing logits without an fp32 copy.
 - :class:`LinearCrossEntropy` — lm_head + loss as one module (FSDP2-shardable).
 - :func:`global_num_valid_tokens` — the global valid-token count for ``num_valid_tokens``.
+- :func:`linear_chunk_bytes` — the bytes :func:`linear_cross_entropy`'s default chunk holds.
 """
 
+from chunked_loss._checks import linear_chunk_bytes
 from chunked_loss.linear import linear_cross_entropy
 from chunked_loss.logits import chunked_cross_entropy
 from chunked_loss.module import LinearCrossEntropy
@@ -19,5 +21,6 @@ __all__ = [
     "__version__",
     "chunked_cross_entropy",
     "global_num_valid_tokens",
+    "linear_chunk_bytes",
     "linear_cross_entropy",
 ]

@@ -21,6 +21,15 @@ def default_chunk_size(vocab: int) -> int:
     return max(1, CHUNK_BUDGET_BYTES // (4 * max(vocab, 1)))
 
 
+def _linear_row_bytes(vocab: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes one row of a ``linear_cross_entropy`` chunk holds (:func:`linear_chunk_size`)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    per_row = 4 * vocab + size * hidden
+    if dtype != torch.float32:
+        per_row += size * vocab + 4 * hidden
+    return per_row
+
+
 def linear_chunk_size(vocab: int, hidden: int, dtype: torch.dtype) -> int:
     """The largest chunk of ``linear_cross_entropy`` whose working set fits the budget.
 
@@ -31,11 +40,16 @@ def linear_chunk_size(vocab: int, hidden: int, dtype: torch.dtype) -> int:
     ``rows = max(1, floor(budget / (4·V + s·H + [s ≠ 4]·(s·V + 4·H))))`` — e.g. 269 rows for
     fp32 and 179 for bf16 at V = 248,320, H = 1024 with the 256 MiB budget.
     """
-    size = torch.empty((), dtype=dtype).element_size()
-    per_row = 4 * vocab + size * hidden
-    if dtype != torch.float32:
-        per_row += size * vocab + 4 * hidden
-    return max(1, CHUNK_BUDGET_BYTES // max(per_row, 1))
+    return max(1, CHUNK_BUDGET_BYTES // max(_linear_row_bytes(vocab, hidden, dtype), 1))
+
+
+def linear_chunk_bytes(rows: int, vocab: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes of the working set ``linear_cross_entropy`` holds at once with its default chunk
+    size, for ``rows`` valid rows: one chunk of at most :func:`linear_chunk_size` of them, each
+    row's bytes as stated there (at most ``CHUNK_BUDGET_BYTES``; fewer where the rows or the
+    vocabulary are small)."""
+    chunk = min(max(rows, 0), linear_chunk_size(vocab, hidden, dtype))
+    return chunk * _linear_row_bytes(vocab, hidden, dtype)
 
 
 def check_options(
