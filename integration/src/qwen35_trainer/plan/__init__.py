@@ -11,8 +11,9 @@
   exposed communication per group;
 - :mod:`.measure` (``plan --measure``): this machine measured at the plan's shapes — op classes,
   calls (:mod:`.step_probe`), the local link (:mod:`.links`, :mod:`.local_ranks`), each parallel
-  dimension's own cost (:mod:`.layout_cost`) — into a :class:`.profile.Profile`, which
-  :mod:`.measured_time` prices the plan with (``--profile``);
+  dimension's own cost (:mod:`.layout_cost`), one step's memory (:mod:`.memory_probe`) —
+  into a :class:`.profile.Profile`, which :mod:`.measured_time` prices the plan with
+  (``--profile``);
 - :mod:`.published`: the model against the published Qwen3.6-35B-A3B runs;
 - :mod:`.world`: the fake process group;
 - :mod:`.report`: the table ``qwen35-train plan`` prints.
