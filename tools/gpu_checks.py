@@ -50,7 +50,8 @@ GPU_BENCHMARKS = [
     ("chunked-loss", "benchmarks/bench_loss.py",
      ["--device", "cuda", "--dtype", "bf16", "--tokens", "8192", "--hidden", "3072",
       "--timeout", "180"]),
-    # the measured step-time model's error on this GPU: plan --measure, then a real run's step
+    # the measured step-time model's error on this GPU: plan --measure, then a real run's step;
+    # then each row's counted tensors against the CUDA allocator's peak of one step
     ("qwen35-trainer", "benchmarks/bench_time_model.py",
      ["--recipes", "tiny", "tiny-512", "--rows", "one process", "one process, AC"]),
 ]  # fmt: skip
