@@ -1,9 +1,14 @@
 """What a step really allocates (:mod:`qwen35_trainer.plan.memory_probe`): the CPU allocator's
 peak seen between ops against tensors of known sizes, and one process's step of the tiny
-recipe against the planner's count of the same process (its persistent bytes exactly)."""
+recipe against the planner's count of the same process (its persistent bytes exactly); and
+what the planner counts for an MoE block without checkpointing against the tensors a real
+forward saves."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 from helpers import ONE_PROCESS, SYNTHETIC
 
@@ -46,3 +51,65 @@ def test_one_process_step_of_tiny_against_the_planners_count():
     assert persistent <= peak.persistent < 1.01 * persistent
     assert peak.reserved is None and peak.fragmentation is None
     assert peak.allocated >= peak.persistent + counted.gradients + counted.activations
+
+
+def _moe_saved_bytes(recipe) -> tuple[list[int], list[int]]:
+    """``(bytes, tokens)`` per MoE block of one forward of ``recipe`` in one process: the
+    storages autograd saves while a block (or a module inside it) runs, each once, the
+    parameters as they are at that moment (FSDP's unsharded ones included) left out."""
+    from moe_parallel import MoE
+    from qwen35_trainer.plan.measured import _storage
+    from qwen35_trainer.plan.step_probe import process_group, trainer_step
+    from qwen35_trainer.train.step import count_targets
+
+    device = torch.device("cpu")
+    with process_group(device):
+        step = trainer_step(recipe, device)
+        objective, layout = step.objective, step.layout
+        blocks = [m for m in objective.modules() if isinstance(m, MoE)]
+        saved, tokens, running, seen = [0] * len(blocks), [0] * len(blocks), [], {}
+        for n, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda m, a, n=n: running.append(n))
+            block.register_forward_hook(lambda m, a, o: running.pop())
+
+        def keep(t):
+            address, size = _storage(t)
+            params = {_storage(p)[0] for p in objective.parameters()}
+            if running and address not in params and address not in seen:
+                seen[address] = t  # held: a freed storage's address is not reused meanwhile
+                saved[running[-1]] += size
+            return t
+
+        def count_tokens(m, args, n):
+            tokens[n] = args[0].shape[:-1].numel()
+
+        for n, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda m, a, n=n: count_tokens(m, a, n))
+        valid, _ = count_targets(step.micro, layout, device)
+        batch, packed = step.micro[0]
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            objective(batch, layout.loss_group, packed, num_valid_tokens=valid)
+    return saved, tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_moes_saved_tensors_are_the_planners_count(dtype):
+    """Without checkpointing, each MoE block of a real forward (tiny, one process) saves what
+    the planner counts per token (:func:`qwen35_trainer.plan.memory._moe_saved`, one process:
+    every routed row on this rank) plus its router's input, the post-attention norm's output
+    in the compute dtype — within 2 % (the top-k indices and weights it leaves out)."""
+    from qwen35_trainer.model.config import build_config
+    from qwen35_trainer.plan.memory import _moe_saved
+
+    fixed = ("data.text_tokens=[24, 24]", "data.image_grids=[[1, 8, 8]]", f"train.dtype={dtype}")
+    recipe = load_recipe("tiny", [*SYNTHETIC, *ONE_PROCESS, *fixed], hub_weights=False)
+    recipe = dataclasses.replace(
+        recipe, train=dataclasses.replace(recipe.train, activation_checkpointing=False)
+    )
+    text = build_config(recipe.model).text_config
+    b = 2 if dtype == "bfloat16" else 4
+    saved, tokens = _moe_saved_bytes(recipe)
+    assert len(saved) == text.num_hidden_layers and all(tokens)
+    for got, s in zip(saved, tokens, strict=True):
+        expected = s * (_moe_saved(text, 1.0, b) + text.hidden_size * b)
+        assert abs(got - expected) <= 0.02 * expected, (got, expected, s)

@@ -6,7 +6,9 @@ launch calls it), runs the objective's forward (under PP: the first stage's, on 
 first micro-batch under
 ``torch.autograd.graph.saved_tensors_hooks`` and adds up the storages the autograd graph keeps,
 each storage once, parameters left out (sharded, or FSDP-unsharded at that moment: a DTensor's
-local part and the all-gathered tensor are both the parameter's, not an activation).
+local part and the all-gathered tensor are both the parameter's, not an activation). Each
+counted tensor is held until the forward ends: a storage saved and freed within it (a graph
+branch dropped) would otherwise give its address to a later one, which would go uncounted.
 """
 
 from __future__ import annotations
@@ -40,13 +42,15 @@ def saved_activation_bytes(recipe: Any, device: torch.device | None = None) -> d
     micro, _ = micro_batches(recipe, objective.model.config, layout, 0, device)
     valid, _ = count_targets(micro, layout, device)
     seen: dict[int, int] = {}
+    held: list[torch.Tensor] = []  # a saved storage freed within the forward keeps its address
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         # the parameters as they are NOW (FSDP unshards a unit's only while it runs)
         params = {_storage(p)[0] for p in objective.parameters()}
         address, size = _storage(t)
-        if address not in params:
-            seen.setdefault(address, size)
+        if address not in params and address not in seen:
+            seen[address] = size
+            held.append(t)
         return t
 
     batch, packed = micro[0]

@@ -24,11 +24,15 @@ with a real run's saved tensors):
   (:mod:`qwen35_trainer.model.pipeline.stages`): each micro-batch in flight keeps its pixels only, and
   the blocks' inputs are held once, while one micro-batch's backward recomputes the tower
   (counted in ``recompute``; a test compares stage 0's forward with a real one at PP 2).
-  Without checkpointing: every block's working set below (an estimate, not validated: the
-  Gated DeltaNet's chunked kernel saves per-chunk matrices it does not model);
-- ``recompute``: the working set of ONE decoder block rebuilt in the backward: the mixer's
-  projections, the MoE's routed rows (``k·S`` rows times the ``ROUTING_SKEW`` factor for the
-  busiest EP rank) and the shared expert;
+  Without checkpointing: every block's working set below — its norms, its MoE (counted from the
+  saved tensors of the torch expert path; a test compares them with a real forward's at fp32
+  and bf16) and its mixer's projections. Not counted: the Gated DeltaNet kernel's own per-chunk
+  tensors, which depend on the kernel (the CPU's chunked rule keeps five 64 × 64 fp32 matrices
+  per head and chunk, more than the block's hidden states at the real models' 32–64 heads; fla's
+  kernel on GPUs keeps fewer, not measured here);
+- ``recompute``: the working set of ONE decoder block rebuilt in the backward: its norms, the
+  mixer's projections, the MoE's routed rows (``k·S`` rows times the ``ROUTING_SKEW`` factor
+  for the busiest EP rank) and the shared expert;
 - ``loss``: the chunked loss's fp32 gradients kept from the forward (``grad_hidden S·H·4`` and,
   when ``lm_head`` trains, ``grad_weight V·H·4``) plus one chunk's working set
   (:func:`loss_chunk_bytes`: chunked-loss's own rule, at most its 256 MiB budget, fewer bytes
@@ -188,21 +192,49 @@ def _dequantized(model: nn.Module, b: int) -> int:
     return most
 
 
+def _norms_saved(h: int, b: int) -> int:
+    """Bytes per token a block's two RMSNorms keep: each its input and its normalised output in
+    fp32 (it computes in fp32 whatever the compute dtype), and the projections after it their
+    input, its output, in ``b``: ``2·(8·H + H·b)``."""
+    return 2 * (8 * h + h * b)
+
+
+def _moe_saved(text, ep_rows: float, b: int) -> float:
+    """Bytes per token the MoE keeps for its backward (the torch expert path, its saved
+    tensors as counted by a real forward's, ``tests/test_plan_memory_probe.py``):
+
+    - routing, in fp32 and int64 whatever ``b``: the router's probabilities and the load
+      balancing loss's own (``2·4·E``), the top-k indices of each (``2·8·k``), the renormalised
+      weights, their sum and the weights the combine multiplies by (``2·4·k + 4``), the shared
+      expert's sigmoid gate (``4``);
+    - per routed row (``k`` per token, ``ep_rows`` times the mean on the busiest EP rank): the
+      gathered input row, the gate-up output (``2·I``), the SiLU's output and its product with
+      up (``I`` each), the expert's output row and its copy in token order, which the weighted
+      combine keeps: ``(3·H + 4·I)·b``, and the row's sort order and copy index (``2·8``);
+    - the shared expert's gate, up, SiLU and product (``4·I_s``) and its output, which its
+      sigmoid gate's product keeps (``H``), in ``b``."""
+    h, i, i_s = text.hidden_size, text.moe_intermediate_size, text.shared_expert_intermediate_size
+    e, k = text.num_experts, text.num_experts_per_tok
+    routing = 8 * e + 16 * k + 8 * k + 8
+    routed = ep_rows * k * ((3 * h + 4 * i) * b + 16)
+    shared = (4 * i_s + h) * b if i_s else 0
+    return routing + routed + shared
+
+
 def _block_working_set(text, s: int, ep_rows: float, b: int, full: bool) -> int:
-    """Bytes one decoder block keeps while its backward runs (no checkpointing inside)."""
+    """Bytes one decoder block keeps while its backward runs (no checkpointing inside): its
+    norms (:func:`_norms_saved`), its mixer's projections and its MoE (:func:`_moe_saved`).
+    The Gated DeltaNet's kernel's own per-chunk tensors are not counted (module docstring)."""
     h = text.hidden_size
     if full:
         q = text.num_attention_heads * text.head_dim
         kv = text.num_key_value_heads * text.head_dim
-        mixer = (2 * q + 2 * kv + 2 * q + 2 * h) * b + 4 * text.num_attention_heads
+        mixer = (2 * q + 2 * kv + 2 * q) * b + 4 * text.num_attention_heads
     else:
         qk = text.linear_num_key_heads * text.linear_key_head_dim
         v = text.linear_num_value_heads * text.linear_value_head_dim
-        mixer = (2 * (2 * qk + v) + 3 * v + 2 * h) * b + 4 * v
-    k, i = text.num_experts_per_tok, text.moe_intermediate_size
-    routed = ep_rows * k * (2 * h + 3 * i) * b
-    shared = (3 * text.shared_expert_intermediate_size + h) * b + 4 * text.num_experts + 2 * h * b
-    return int(s * (mixer + shared) + s * routed)
+        mixer = (2 * (2 * qk + v) + 3 * v) * b + 4 * v
+    return int(s * (mixer + _norms_saved(h, b) + _moe_saved(text, ep_rows, b)))
 
 
 def _tower_saved(vision, shape: Shape) -> tuple[int, int]:
