@@ -31,8 +31,8 @@ with a real run's saved tensors):
   per head and chunk, more than the block's hidden states at the real models' 32–64 heads; fla's
   kernel on GPUs keeps fewer, not measured here);
 - ``recompute``: the working set of ONE decoder block rebuilt in the backward: its norms, the
-  mixer's projections, the MoE's routed rows (``k·S`` rows times the ``ROUTING_SKEW`` factor
-  for the busiest EP rank) and the shared expert;
+  mixer's projections, the MoE's routed rows (``k·S`` rows, under EP times the
+  ``ROUTING_SKEW`` factor for the busiest EP rank) and the shared expert;
 - ``loss``: the chunked loss's fp32 gradients kept from the forward (``grad_hidden S·H·4`` and,
   when ``lm_head`` trains, ``grad_weight V·H·4``) plus one chunk's working set
   (:func:`loss_chunk_bytes`: chunked-loss's own rule, at most its 256 MiB budget, fewer bytes
@@ -318,7 +318,8 @@ def memory(
         saved += tower * stage.first
     saved += _mtp_saved(text, shape, checkpointing=checkpointing) * stage.last
     saved = int(saved * stage.in_flight)
-    recompute = max(_block_working_set(text, s, ROUTING_SKEW, b, full) for full in (False, True))
+    skew = ROUTING_SKEW if dims.ep > 1 else 1.0  # one EP rank holds every routed row: no skew
+    recompute = max(_block_working_set(text, s, skew, b, full) for full in (False, True))
     if whole_tower:  # the tower's recompute (after the decoder layers' backward)
         recompute = max(recompute, _tower_saved(vision, shape)[1])
     loss = 0
