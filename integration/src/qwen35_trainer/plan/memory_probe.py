@@ -140,6 +140,7 @@ def _watched(run, device: torch.device) -> tuple[int, int, int | None]:
     peak, and (CUDA) reserved at its peak."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # what earlier work left cached is not this step's reserve
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
         run()
