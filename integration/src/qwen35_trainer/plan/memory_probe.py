@@ -116,23 +116,14 @@ class MemoryPeak:
         return max(self.reserved - self.allocated, 0) / transient
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def persistent_bytes(module: torch.nn.Module, optimizer) -> int:
     """Bytes of this rank's parameters, buffers and optimizer state (local shards), each
-    storage counted once."""
-    storages = {}
+    storage counted once (:func:`.measured._storage`)."""
+    from qwen35_trainer.plan.measured import _storage
+
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [v for state in optimizer.state.values() for v in state.values()]
-    for tensor in tensors:
-        if torch.is_tensor(tensor):
-            storage = _local(tensor).untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return sum(dict(_storage(t) for t in tensors if torch.is_tensor(t)).values())
 
 
 def _watched(run, device: torch.device) -> tuple[int, int, int | None]:
