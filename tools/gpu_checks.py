@@ -50,10 +50,11 @@ GPU_BENCHMARKS = [
     ("chunked-loss", "benchmarks/bench_loss.py",
      ["--device", "cuda", "--dtype", "bf16", "--tokens", "8192", "--hidden", "3072",
       "--timeout", "180"]),
-    # the measured step-time model's error on this GPU: plan --measure, then a real run's step;
-    # then each row's counted tensors against the CUDA allocator's peak of one step
+    # the measured step-time model's error on this GPU, for the tiny recipe and Qwen3.5-35B-A3B's
+    # widths on one GPU: plan --measure, then a real run's step; then each row's counted tensors
+    # against the CUDA allocator's peak of one step
     ("qwen35-trainer", "benchmarks/bench_time_model.py",
-     ["--recipes", "tiny", "tiny-512", "--rows", "one process", "one process, AC"]),
+     ["--recipes", "tiny", "35b-shaped", "--rows", "one process", "one process, AC"]),
 ]  # fmt: skip
 
 GPU_SMOKE = """

@@ -22,8 +22,11 @@ from 1. Goal: every row within ±10 %.
     python benchmarks/bench_time_model.py [--recipes NAME ...] [--rows NAME ...]
         [--what time memory]
 
-On a machine with one GPU (``tools/gpu_checks.py``): ``--recipes tiny --rows "one process"
-"one process, AC"``, the rows one device runs (the CLI trains on CUDA where present).
+On a machine with one GPU (``tools/gpu_checks.py``): ``--recipes tiny 35b-shaped --rows "one
+process" "one process, AC"``, the rows one device runs (the CLI trains on CUDA where present);
+``35b-shaped`` is Qwen3.5-35B-A3B's widths on one GPU (:data:`RECIPES`), for CUDA only. On an
+H100, H200 or B200 each row also prints the datasheet's prediction (no profile: each op class
+at its kernel's published rate) over the measured step.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import tempfile
 from pathlib import Path
 
 from qwen35_trainer.plan import plan
-from qwen35_trainer.plan.hardware import hardware
+from qwen35_trainer.plan.hardware import GPUS, hardware
 from qwen35_trainer.plan.measure import measure_profile
 from qwen35_trainer.plan.memory_probe import rank_peaks
 from qwen35_trainer.plan.profile import LAYOUT_DIMENSIONS
@@ -47,17 +50,43 @@ from qwen35_trainer.recipe import load_recipe
 
 STEPS, WARM = 10, 3
 ONE = ("parallel.dp=1", "parallel.cp=1", "parallel.ep=1", "parallel.tp=1")
+# name: (the recipe it starts from, what it changes)
 RECIPES = {
-    "tiny": (),
+    "tiny": ("tiny", ()),
     "tiny-512": (
-        "model.text.hidden_size=512",
-        "model.text.moe_intermediate_size=512",
-        "model.text.shared_expert_intermediate_size=512",
-        "model.vision.out_hidden_size=512",
-        "data.pack_length=1024",
-        "data.samples_per_rank=8",
+        "tiny",
+        (
+            "model.text.hidden_size=512",
+            "model.text.moe_intermediate_size=512",
+            "model.text.shared_expert_intermediate_size=512",
+            "model.vision.out_hidden_size=512",
+            "data.pack_length=1024",
+            "data.samples_per_rank=8",
+        ),
+    ),
+    # Qwen3.5-35B-A3B's widths on one GPU (``--recipes 35b-shaped``, CUDA only): its hidden
+    # size, heads, expert and shared-expert widths and vocabulary, one 4,096-token row, each
+    # expert's share of the routed rows as in the model (top 2 of 64 = top 8 of 256: 1/32),
+    # 4 layers (3 Gated DeltaNet + 1 full attention, the model's period), a 2-block tower, no
+    # MTP: ~2.0 B parameters, planned at ~60 GiB of an 80 GiB H100 (fp32 AdamW, recompute on)
+    "35b-shaped": (
+        "qwen3_5_35b_a3b",
+        (
+            "model.text.num_hidden_layers=4",
+            "model.text.num_experts=64",
+            "model.text.num_experts_per_tok=2",
+            "model.mtp_layers=0",
+            "model.vision.depth=2",
+            "data.pack_length=4096",
+            "data.global_batch=1",
+            "data.samples_per_rank=1",
+            "data.image_grids=[[1, 28, 28]]",
+            "train.warmup_steps=1",
+            "train.activation_checkpointing=false",  # the "AC" rows turn it on
+        ),
     ),
 }
+GPU_ONLY = ("35b-shaped",)  # too large for a CPU's memory and time
 PP = ("parallel.pp=2", "train.grad_accum_steps=2")
 LAYOUTS = {
     "one process": ONE,
@@ -96,9 +125,8 @@ def memory_rows(names: list[str], rows: list[str]) -> None:
     print(f"{'recipe':<9} {'layout':<21} {'rank':>4} {'counted':>8} {'measured':>9} {'ratio':>6}")
     for name in names:
         for row in rows:
-            recipe = load_recipe(
-                "tiny", [*RECIPES[name], *LAYOUTS[row], *COMMON], hub_weights=False
-            )
+            start, sets = RECIPES[name]
+            recipe = load_recipe(start, [*sets, *LAYOUTS[row], *COMMON], hub_weights=False)
             planned = plan(recipe, name=name)
             peaks = rank_peaks(recipe, planned.world)
             ratios = {r: m.peak / peaks[r].allocated for r, m in planned.ranks.items()}
@@ -113,23 +141,44 @@ def memory_rows(names: list[str], rows: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
+    cpu = [name for name in RECIPES if name not in GPU_ONLY]
+    parser.add_argument("--recipes", nargs="*", default=cpu, choices=list(RECIPES))
     parser.add_argument("--what", nargs="*", default=["time", "memory"], choices=["time", "memory"])
     args = parser.parse_args()
+    gpu_only = [name for name in args.recipes if name in GPU_ONLY]
+    if gpu_only:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--recipes {' '.join(gpu_only)}: needs a CUDA GPU (none is visible)")
     if "time" in args.what:
         time_rows(args.recipes, args.rows)
     if "memory" in args.what:
         memory_rows(args.recipes, args.rows)
 
 
+def datasheet_gpu() -> str | None:
+    """The :data:`qwen35_trainer.plan.hardware.GPUS` key of the local CUDA GPU, if it is one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0).lower()
+    return next((key for key in GPUS if key in name), None)
+
+
 def time_rows(names: list[str], layouts: list[str]) -> None:
-    """Per recipe: one profile, then each layout's predicted and measured step (seconds)."""
-    print(f"{'recipe':<9} {'layout':<21} {'predicted':>10} {'measured':>9} {'ratio':>6}")
+    """Per recipe: one profile, then each layout's predicted and measured step (seconds); on a
+    GPU of the datasheet's (:func:`datasheet_gpu`) also its datasheet prediction (the kernels
+    at their published rates, :mod:`qwen35_trainer.plan.kernel_rates`) over the measured step."""
+    gpu = datasheet_gpu()
+    sheet = f" {'datasheet':>9} {'ratio':>6}" if gpu else ""
+    print(f"{'recipe':<9} {'layout':<21} {'predicted':>10} {'measured':>9} {'ratio':>6}{sheet}")
     for name in names:
-        widen = RECIPES[name]
+        start, widen = RECIPES[name]
         rows = {row: (*widen, *LAYOUTS[row]) for row in layouts}
         recipes = {
-            row: load_recipe("tiny", [*sets, *COMMON], hub_weights=False)
+            row: load_recipe(start, [*sets, *COMMON], hub_weights=False)
             for row, sets in rows.items()
         }
         dims = [
@@ -137,7 +186,7 @@ def time_rows(names: list[str], layouts: list[str]) -> None:
             for d in LAYOUT_DIMENSIONS
             if any(getattr(r.parallel, d) > 1 for r in recipes.values())
         ]
-        base = load_recipe("tiny", [*widen, *ONE, *COMMON], hub_weights=False)
+        base = load_recipe(start, [*widen, *ONE, *COMMON], hub_weights=False)
         profile = measure_profile(base, plan(base, name=name), name, dims=dims)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             profile.save(f.name)
@@ -145,12 +194,14 @@ def time_rows(names: list[str], layouts: list[str]) -> None:
         for row, sets in rows.items():
             planned = plan(recipes[row], name=name)
             predicted = step_time(planned, hardware(), profile=profile).seconds
-            measured = measured_step("tiny", sets, planned.world)
-            print(
-                f"{name:<9} {row:<21} {predicted:10.3f} {measured:9.3f} "
-                f"{predicted / measured:6.2f}",
-                flush=True,
+            measured = measured_step(start, sets, planned.world)
+            line = (
+                f"{name:<9} {row:<21} {predicted:10.3f} {measured:9.3f} {predicted / measured:6.2f}"
             )
+            if gpu:
+                datasheet = step_time(planned, hardware(gpu)).seconds
+                line += f" {datasheet:9.3f} {datasheet / measured:6.2f}"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from qwen35_trainer.model.build import build_meta_model
 from qwen35_trainer.model.config import build_config
 from qwen35_trainer.model.flops import KINDS, forward_flops, training_flops
 from qwen35_trainer.parallel import ParallelDims
+from qwen35_trainer.plan import kernel_rates
 from qwen35_trainer.plan.hardware import GPUS, Hardware, hardware
 from qwen35_trainer.plan.memory import Memory
 from qwen35_trainer.plan.nodes import crossing_groups
@@ -28,7 +29,7 @@ from qwen35_trainer.plan.traffic import communication
 from qwen35_trainer.plan.work import Work, rank_work, row_documents, step_model_flops
 
 # round numbers: 1e14 FLOP/s, HBM 2 TB/s, NVLink 100 GB/s, InfiniBand 10 GB/s
-GPU = Hardware("test", 100.0, 2.0, 100.0, 10.0, 80.0)
+GPU = Hardware("test", "test", 100.0, 2.0, 100.0, 10.0, 80.0)
 EFF = Efficiency(
     matmul=0.5, head=0.8, grouped=0.25, attention=0.4, recurrence=0.1, nvlink=0.5, ib=0.5, hbm=0.5
 )
@@ -242,8 +243,30 @@ def test_gpu_profiles_are_the_datasheets():
             hardware(name, sets)
         assert said in str(err.value)
     with pytest.raises(ValueError, match="--efficiency 'matmul=2': expected NAME=VALUE"):
-        Efficiency.parse(["matmul=2"])
-    assert Efficiency.parse(["ib=0.5"]).ib == 0.5
+        Efficiency.parse(["matmul=2"], hardware("h100"))
+    changed = Efficiency.parse(["ib=0.5"], hardware("b200"))
+    assert changed == dataclasses.replace(Efficiency.of(hardware("b200")), ib=0.5)
+
+
+def test_each_gpus_efficiencies_are_its_published_kernel_measurements():
+    """By hand from the published figures (``plan/kernel_rates.py``): the GEMM's TFLOP/s over the
+    peak; FlashAttention-3's forward and backward (a backward counted as 2.5 forwards by FA,
+    as 2 by us); fla's gated delta rule over one 4,096-token row at the 35B's heads, whose FLOPs
+    are ours, times 3 forward-equivalents over its forward-and-backward time."""
+    h100, h200, b200 = (Efficiency.of(hardware(g)) for g in ("h100", "h200", "b200"))
+    assert h100.matmul == h100.head == pytest.approx(794.5 / 989)
+    assert b200.matmul == pytest.approx(1745 / 2250)
+    assert h100.grouped == b200.grouped == pytest.approx(180.67 / 989)
+    assert h100.attention == pytest.approx(3 / (1 / 612 + 2.5 / 542) / 989)
+    assert b200.attention == pytest.approx(3 / (1 / 1613 + 2.5 / (1613 * 542 / 612)) / 2250)
+    recipe = load_recipe("qwen3_5_35b_a3b", hub_weights=False)
+    config = build_config(recipe.model)
+    flops = forward_flops(config, [4096], [], layer_types=["linear_attention"], mtp=0, head=False)
+    assert flops["gdn_core"] == kernel_rates.GDN_ROW_FLOPS
+    rate = 3 * flops["gdn_core"] / (0.288e-3 * 5.964 / 1.581)
+    assert h100.recurrence == pytest.approx(rate / 989e12)
+    assert h100.hbm == pytest.approx(3.01 / 3.35) and b200.hbm == pytest.approx(6516.67 / 8000)
+    assert h200 == h100  # the same chip: nothing of its own published
 
 
 def test_plan_prints_the_step_time_on_the_chosen_gpu(tmp_path, capsys):

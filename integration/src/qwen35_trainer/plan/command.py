@@ -110,7 +110,7 @@ def plan_main(argv: list[str]) -> int:
         recipe = load_recipe(args.recipe, args.overrides, hub_weights=False)
         headroom = Headroom.parse(args.headroom)
         gpu = hardware(args.gpu, args.gpu_set)
-        efficiency = Efficiency.parse(args.efficiency)
+        efficiency = Efficiency.parse(args.efficiency, gpu)
         if args.node_gpus < 1:
             raise ValueError(f"--node-gpus must be >= 1, got {args.node_gpus}")
         memory = args.gpu_memory if args.gpu_memory is not None else gpu.memory_gib

@@ -31,6 +31,7 @@ __all__ = ["GPUS", "Hardware", "hardware"]
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
+    key: str  # its name in :data:`GPUS` (``--gpu``)
     name: str
     bf16_tflops: float
     hbm_tbps: float
@@ -45,9 +46,9 @@ class Hardware:
 
 
 GPUS = {
-    "h100": Hardware("H100 SXM", PEAK_BF16_FLOPS["H100"] / 1e12, 3.35, 450.0, 50.0, 80.0),
-    "h200": Hardware("H200 SXM", PEAK_BF16_FLOPS["H200"] / 1e12, 4.8, 450.0, 50.0, 140.0),
-    "b200": Hardware("B200", PEAK_BF16_FLOPS["B200"] / 1e12, 8.0, 900.0, 50.0, 179.0),
+    "h100": Hardware("h100", "H100 SXM", PEAK_BF16_FLOPS["H100"] / 1e12, 3.35, 450.0, 50.0, 80.0),
+    "h200": Hardware("h200", "H200 SXM", PEAK_BF16_FLOPS["H200"] / 1e12, 4.8, 450.0, 50.0, 140.0),
+    "b200": Hardware("b200", "B200", PEAK_BF16_FLOPS["B200"] / 1e12, 8.0, 900.0, 50.0, 179.0),
 }
 
 
@@ -56,6 +57,6 @@ def hardware(name: str = "h100", sets: list[str] | tuple[str, ...] = ()) -> Hard
     ``ValueError`` naming an unknown GPU or a bad item."""
     if name not in GPUS:
         raise ValueError(f"--gpu {name!r}: expected one of {sorted(GPUS)}")
-    fields = [f.name for f in dataclasses.fields(Hardware) if f.name != "name"]
+    fields = [f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name")]
     values = named_values(sets, fields, "--gpu-set", lambda v: v > 0, "VALUE > 0")
     return dataclasses.replace(GPUS[name], **values)

@@ -18,7 +18,9 @@ def format_time(t: StepTime) -> list[str]:
     head = (
         f"step time on {g.name} ({g.bf16_tflops:g} TFLOP/s bf16, HBM {g.hbm_tbps:g} TB/s, "
         f"NVLink {g.nvlink_gbps:g} / InfiniBand {g.ib_gbps:g} GB/s per GPU one way; "
-        "--gpu, --gpu-set, --efficiency to change)"
+        "--gpu, --gpu-set, --efficiency to change)\n"
+        "  its kernels at their published rates (plan/kernel_rates.py); launch gaps and elementwise "
+        "work between them not counted (--measure on the GPU counts them)"
     )
     if t.profile is not None:
         rates = ", ".join(f"{c} {r / 1e9:.1f}" for c, r in t.profile.flops_per_s.items())

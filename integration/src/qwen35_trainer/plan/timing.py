@@ -32,7 +32,8 @@ the slowest rank's exposed FSDP / HSDP traffic and optimizer step.
 
 Model FLOPs (TFLOP/s/GPU, MFU) follow the ``mfu`` convention: three forwards of the model per
 token (:func:`.work.step_model_flops`); tokens/s/GPU: the step's tokens over its time and GPUs.
-The efficiencies are calibrated on ONE published run (``docs/scaling.md``, :mod:`.published`);
+The efficiencies are each GPU's published kernel measurements (:mod:`.kernel_rates`), fitted to no
+trainer's run (``docs/scaling.md`` compares with the published runs, :mod:`.published`);
 ``--efficiency NAME=VALUE`` changes them. With a measured :class:`.profile.Profile`
 (``--measure`` / ``--profile``), :mod:`.measured_time` prices the same work on the machine it
 measured instead; the pipeline and step-level rules above are shared.
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from qwen35_trainer.plan.flags import named_values
 from qwen35_trainer.plan.hardware import Hardware
+from qwen35_trainer.plan.kernel_rates import published_efficiencies
 from qwen35_trainer.plan.nodes import crossing_groups
 from qwen35_trainer.plan.profile import OP_CLASS, Profile
 from qwen35_trainer.plan.traffic import PER_MICROBATCH
@@ -52,14 +54,7 @@ from qwen35_trainer.plan.traffic import PER_MICROBATCH
 if TYPE_CHECKING:
     from qwen35_trainer.plan.planner import Plan
 
-__all__ = ["CALIBRATION", "OP_CLASS", "RATIOS", "SCALE", "Efficiency", "StepTime", "step_time"]
-
-# the decoder projections' efficiency, fit so that the calibration run's predicted step time
-# equals the published one (:func:`qwen35_trainer.plan.published.calibrate`)
-SCALE = 0.144
-# the compute classes' efficiencies relative to ``matmul`` (:class:`Efficiency`)
-RATIOS = {"matmul": 1.0, "head": 1.6, "grouped": 0.55, "attention": 0.6, "recurrence": 0.2}
-CALIBRATION = "Megatron-Bridge SFT"  # a run of :data:`qwen35_trainer.plan.published.RUNS`
+__all__ = ["OP_CLASS", "Efficiency", "StepTime", "step_time"]
 
 FSDP_KINDS = (
     "fsdp_all_gather",
@@ -71,34 +66,32 @@ FSDP_KINDS = (
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
-    """Achieved over peak, per op class and link (module docstring). The compute classes keep
-    stated ratios of the kernels' typical throughputs on Hopper relative to the decoder's
-    projections (GEMMs of width 2,048–8,192): the vocabulary-wide ``lm_head`` GEMM 1.6, grouped
-    GEMM over hundreds of narrow experts 0.55, flash attention 0.6, the chunked gated delta rule
-    0.2; their common scale (``matmul``) is fit to ONE published run, :data:`CALIBRATION`
-    (``docs/scaling.md``). The links and HBM are the share of the datasheet figure NCCL's and
-    STREAM-like copies usually reach (stated, not fit)."""
+    """Achieved over peak, per op class and link (module docstring). The compute classes and
+    ``hbm``: the GPU's published kernel measurements (:func:`.kernel_rates.published_efficiencies`,
+    :meth:`of`); the links: the share of the datasheet figure NCCL's collectives usually reach
+    (stated, not fit)."""
 
-    matmul: float = RATIOS["matmul"] * SCALE
-    head: float = RATIOS["head"] * SCALE
-    grouped: float = RATIOS["grouped"] * SCALE
-    attention: float = RATIOS["attention"] * SCALE
-    recurrence: float = RATIOS["recurrence"] * SCALE
+    matmul: float
+    head: float
+    grouped: float
+    attention: float
+    recurrence: float
+    hbm: float
     nvlink: float = 0.75
     ib: float = 0.85
-    hbm: float = 0.8
 
     @classmethod
-    def at(cls, scale: float) -> Efficiency:
-        """The compute classes at ``scale`` times their ratios (the links and HBM as stated)."""
-        return cls(**{name: ratio * scale for name, ratio in RATIOS.items()})
+    def of(cls, gpu: Hardware) -> Efficiency:
+        """``gpu``'s efficiencies from its published kernel measurements."""
+        return cls(**published_efficiencies(gpu.key, gpu.bf16_tflops))
 
     @classmethod
-    def parse(cls, items: list[str]) -> Efficiency:
-        """``NAME=VALUE`` items over the defaults; ``ValueError`` naming a bad one."""
+    def parse(cls, items: list[str], gpu: Hardware) -> Efficiency:
+        """``NAME=VALUE`` items over ``gpu``'s own (:meth:`of`); ``ValueError`` naming a bad
+        one."""
         names = [f.name for f in dataclasses.fields(cls)]
         values = named_values(items, names, "--efficiency", lambda v: 0 < v <= 1, "0 < VALUE <= 1")
-        return dataclasses.replace(cls(), **values)
+        return dataclasses.replace(cls.of(gpu), **values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +180,9 @@ def step_time(
 
         prices = Measured(profile, step.microbatches, plan.layout)
     else:
-        prices = _Datasheet(gpu, efficiency or Efficiency(), crossing_groups(step.dims, node_gpus))
+        prices = _Datasheet(
+            gpu, efficiency or Efficiency.of(gpu), crossing_groups(step.dims, node_gpus)
+        )
     m = step.microbatches
     per_micro, fixed, compute, exposed = {}, {}, {}, {}
     for rank, work in plan.work.items():
