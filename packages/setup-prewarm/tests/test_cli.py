@@ -41,6 +41,12 @@ def test_bad_arguments_exit_2_with_the_reason(capsys):
     assert cli.main(["--mesh", "1x1", "--names", "dp,dp"]) == 2
 
 
-def test_console_script_points_at_main():
+def test_console_script_ends_the_process_with_mains_code():
+    """The command is :func:`cli.run`: :func:`cli.main`'s exit code, with no interpreter
+    teardown after it (gloo's teardown abort would turn a finished prewarm into exit -6)."""
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "setup-prewarm"]
-    assert script.load() is cli.main
+    assert script.load() is cli.run
+    bad = "import sys; from setup_prewarm.cli import run; sys.argv[1:] = ['--mesh', '2xq']; run()"
+    done = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "--mesh" in done.stderr

@@ -18,6 +18,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -129,11 +130,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    # end without the interpreter's teardown: a gloo group's threads abort it now and then
-    # ("terminate called without an active exception", exit -6) even after the group is
-    # destroyed, and a finished prewarm would read as failed
+def run() -> NoReturn:
+    """The ``setup-prewarm`` command: :func:`main`, then the process ends with its exit code
+    without the interpreter's teardown. A gloo group's threads abort that teardown now and then
+    ("terminate called without an active exception", exit -6) even after the group is
+    destroyed, and a finished prewarm would read as failed."""
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    run()
