@@ -12,7 +12,10 @@ process here). Layouts: one process, with
 activation checkpointing, DP 2, CP 2 · EP 2, TP 2 + SP, PP 2 (1F1B), PP 2 interleaved zero bubble,
 PP 2 × DP 2 (the PP rows with 2 micro-batches).
 
-Then the memory of the same rows (``--what memory``): each planned rank's counted peak
+Then the memory of the same layouts (``--what memory``), each fed the rows its plan counts
+(:func:`planned_rows`: the synthetic stream, full rows at the recipe's largest image grid; the
+demo dataset's images are larger than tiny's grids, which the planner plans): each planned
+rank's counted peak
 (:attr:`qwen35_trainer.plan.memory.Memory.peak`, the tensors the planner counts) against the
 peak one step of that layout really allocates on that rank
 (:func:`qwen35_trainer.plan.memory_probe.rank_peaks`: the ranks side by side, the trainer's own
@@ -119,14 +122,36 @@ def measured_step(recipe: str, sets: tuple[str, ...], world: int) -> float:
     return statistics.median(seconds)
 
 
+def planned_rows(recipe) -> tuple[str, ...]:
+    """Sets that feed ``recipe`` the rows its plan counts: the synthetic stream, every image of
+    the recipe's largest grid, each micro-batch's samples filling its packed row exactly (the
+    planner plans full rows at ``data.image_grids``; a dataset's own images and fill are not
+    what it reads)."""
+    data, vision = recipe.data, recipe.model.vision
+    grid = max(data.image_grids, key=lambda g: g[0] * g[1] * g[2])
+    image = grid[0] * grid[1] * grid[2] // vision.get("spatial_merge_size", 2) ** 2 + 2
+    per_sample = data.pack_length // (data.samples_per_rank // recipe.train.grad_accum_steps)
+    text = (per_sample - data.images_per_sample * image) // (data.images_per_sample + 1)
+    return (
+        "data.path=null",
+        "data.processor=null",
+        "data.eval_path=null",
+        f"data.image_grids=[{list(grid)}]",
+        f"data.text_tokens=[{text}, {text}]",
+    )
+
+
 def memory_rows(names: list[str], rows: list[str]) -> None:
-    """Per recipe and layout: the counted peak and the measured one of the planned rank
-    furthest from its measurement (MiB)."""
+    """Per recipe and layout, fed the rows its plan counts (:func:`planned_rows`): the counted
+    peak and the measured one of the planned rank furthest from its measurement (MiB)."""
     print(f"{'recipe':<9} {'layout':<21} {'rank':>4} {'counted':>8} {'measured':>9} {'ratio':>6}")
     for name in names:
         for row in rows:
             start, sets = RECIPES[name]
             recipe = load_recipe(start, [*sets, *LAYOUTS[row], *COMMON], hub_weights=False)
+            recipe = load_recipe(
+                start, [*sets, *LAYOUTS[row], *COMMON, *planned_rows(recipe)], hub_weights=False
+            )
             planned = plan(recipe, name=name)
             peaks = rank_peaks(recipe, planned.world)
             ratios = {r: m.peak / peaks[r].allocated for r, m in planned.ranks.items()}

@@ -83,6 +83,7 @@ class Plan:
     work: dict[int, Work] = dataclasses.field(default_factory=dict)  # each planned rank's
     step: Step | None = None
     fp8: str | None = None  # a base held in FP8: its modules by kind and bytes (fp8_summary)
+    images: str | None = None  # a dataset's run: the images planned in place of its own
 
     def rank_peak(self, rank: int) -> int:
         """``rank``'s predicted peak in bytes: its counted tensors and every headroom term of
@@ -340,4 +341,18 @@ def plan(
         work=work,
         step=step,
         fp8=fp8,
+        images=_dataset_images(recipe.data),
+    )
+
+
+def _dataset_images(data) -> str | None:
+    """What a dataset's run is planned with for its images (:func:`row_shape`): the recipe's
+    ``image_grids``, not the files, which the planner does not read; ``None`` for the
+    synthetic stream, whose images those grids are."""
+    if not data.dataset:
+        return None
+    largest = list(max(data.image_grids, key=lambda g: g[0] * g[1] * g[2]))
+    return (
+        f"images: planned as data.image_grids' largest {largest}, {data.images_per_sample} per "
+        "sample; the dataset's own are not read (set data.image_grids to its largest grid)"
     )

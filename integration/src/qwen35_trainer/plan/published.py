@@ -202,7 +202,5 @@ def published_table(planner: Callable | None = None) -> str:
             f"{i}. `qwen35-train plan {run.recipe} {sets} --gpu {run.gpu}` "
             f"({run.source}): {run.assumed}."
         )
-    header = (
-        "Efficiencies: each GPU's published kernel measurements (`plan/kernel_rates.py`), no run fitted."
-    )
+    header = "Efficiencies: each GPU's published kernel measurements (`plan/kernel_rates.py`), no run fitted."
     return "\n".join([*lines, "", header, "", DIFFERENCES, "", *notes])

@@ -77,6 +77,7 @@ def format_plan(p: Plan, timing: StepTime | None = None) -> str:
         ),
         f"active parameters per token {p.active_parameters / 1e9:10.2f} B",
         *([p.fp8] if p.fp8 else []),
+        *([p.images] if p.images else []),
         "",
         "GiB per GPU          " + "".join(f"{'rank ' + str(r):>12}" for r in p.ranks),
     ]
