@@ -3,7 +3,7 @@
 The planner counts tensors (:mod:`.memory`): parameters, gradients and moments exactly, the
 activations and buffers by formulas. A real process also holds memory that no tensor accounts
 for, and a verdict that leaves it out promises what the GPU will refuse (the 122B recipe counts
-34.9 GiB per GPU where the published run peaked at 60.55 GiB). Each term below is a stated
+33.8 GiB per GPU where the published run peaked at 60.55 GiB). Each term below is a stated
 default, printed on its own line and changed with ``qwen35-train plan --headroom NAME=VALUE``:
 
 - ``cuda_context_gib``: the CUDA context with the kernels of torch, NCCL, cuBLAS and the fused
@@ -20,7 +20,7 @@ default, printed on its own line and changed with ``qwen35-train plan --headroom
   optimizer state, which are allocated once and never freed, so they fragment nothing (a
   frozen 70 GiB base adds no reserve). 1.0 — the allocator holding as much again as a step's
   transient tensors — is calibrated on the one published measurement at hand: the 122B
-  recipe (the published run's layout) then predicts 62.4 GiB against the 60.55 GiB reported.
+  recipe (the published run's layout) then predicts 60.1 GiB against the 60.55 GiB reported.
   Calibrate it from a first real step: ``torch.cuda.memory_reserved()`` less the persistent
   tensors, over ``max_memory_allocated()`` less them.
 """

@@ -60,6 +60,13 @@ with a real run's saved tensors):
 - ``cp_buffers``: full attention's K/V of the whole row gathered over CP (``L_full · T ·
   2·kv·hd · b`` for one layer at a time) and the Gated DeltaNet's passed state (fp32);
 - ``vision``: the merged image features of the whole row gathered over CP (``T_img · H · b``);
+- ``freed_for_grads`` (≤ 0; one micro-batch per step, no PP): the backward frees each decoder
+  layer's saved tensors as it makes that layer's gradients (the optimizer zeroes them to
+  ``None`` each step, so none exist before), which rise from none to all of the decoder's
+  ``G_dec`` while its activations ``A_dec`` fall to none, the rest of both held throughout: the
+  peak holds ``max(A_dec, G_dec)`` of them, not both, and this line is ``−min(A_dec, G_dec)``.
+  With more micro-batches the earlier ones' gradients are held through the later ones'
+  forwards (the lines add up); under PP, ``pp_grads``' rule;
 - the multi-token-prediction head (``D`` depths, :mod:`qwen35_trainer.model.mtp`): its
   parameters, gradients and optimizer state are counted with the rest (exact); per depth its
   layer is one more full-attention block (its input ``S·H·b`` saved under checkpointing, its
@@ -84,6 +91,8 @@ from qwen35_trainer.plan.stages import StageView
 
 __all__ = ["ROUTING_SKEW", "Memory", "Shape", "loss_chunk_bytes", "memory", "parameter_bytes"]
 
+# the canonical names of the decoder layers' parameters (:func:`_decoder_gradients`)
+DECODER_PREFIX = "model.language_model.layers."
 # Assumed tokens on the busiest EP rank over the mean (routing is not balanced exactly).
 ROUTING_SKEW = 1.5
 # the entries of one FP8 block's decode table: a value per byte
@@ -115,12 +124,14 @@ class Memory:
     vision: int
     dequantized: int = 0
     pp_grads: int = 0
+    freed_for_grads: int = 0  # <= 0: the backward's trade of activations for gradients
 
     @property
     def peak(self) -> int:
-        """Every line's bytes held at once; under PP (``pp_grads``) the sharded ``gradients``
-        appear only at the step's final reduce-scatter, after the activations are freed, so
-        the peak holds the larger of them and the step's working tensors."""
+        """Every line's bytes held at once (``freed_for_grads`` taking off what the backward
+        frees before the gradients take its place); under PP (``pp_grads``) the sharded
+        ``gradients`` appear only at the step's final reduce-scatter, after the activations
+        are freed, so the peak holds the larger of them and the step's working tensors."""
         total = sum(dataclasses.astuple(self))
         if not self.pp_grads:
             return total
@@ -283,13 +294,15 @@ def memory(
     units,
     sharded: bool = True,
     stage: StageView | None = None,
+    microbatches: int = 1,
 ) -> Memory:
     """This rank's :class:`Memory` (module docstring); ``units``: the FSDP unit modules;
     ``sharded``: FSDP wraps the model at all; ``stage``: under pipeline parallelism, this
     rank's layers, whether it holds the first / last stage, and the micro-batches whose
     activations it holds at its peak (:mod:`qwen35_trainer.plan.stages`): the saved
     activations are its layers' (the tower's on the first stage, the final norm's, the MTP
-    head's and the loss's on the last) times those micro-batches."""
+    head's and the loss's on the last) times those micro-batches; ``microbatches``: per step
+    (one: the backward trades activations for gradients, ``freed_for_grads``)."""
     text, vision = model.config.text_config, model.config.vision_config
     # under PP with checkpointing the first stage checkpoints the tower whole
     # (qwen35_trainer.model.pipeline.stages): its blocks' inputs are kept for one micro-batch, in the
@@ -309,13 +322,14 @@ def memory(
     vh = vision.hidden_size
     if checkpointing:
         saved = _saved_with_checkpointing(text, vision, shape, stage, whole_tower=whole_tower)
+        decoder = len(stage.layer_types) * (s // shape.sequence_split) * h * b  # block inputs
     else:
-        saved = sum(
+        decoder = sum(
             _block_working_set(text, s // shape.sequence_split, 1.0, b, t == "full_attention")
             for t in stage.layer_types
         )
         tower = vision.depth * shape.patches * (6 * vh + 2 * vision.intermediate_size) * b
-        saved += tower * stage.first
+        saved = decoder + tower * stage.first
     saved += _mtp_saved(text, shape, checkpointing=checkpointing) * stage.last
     saved = int(saved * stage.in_flight)
     skew = ROUTING_SKEW if dims.ep > 1 else 1.0  # one EP rank holds every routed row: no skew
@@ -373,4 +387,14 @@ def memory(
         gathered,
         _dequantized(model, b),
         pp_grads,
+        -min(decoder, _decoder_gradients(model)) if microbatches == 1 and not pipelined else 0,
+    )
+
+
+def _decoder_gradients(model: nn.Module) -> int:
+    """Bytes of the decoder layers' gradients on this rank (the trained shards' storage)."""
+    return sum(
+        _local_numel(p) * p.dtype.itemsize
+        for name, _, _, p in named_parameters(model)
+        if p.requires_grad and name.startswith(DECODER_PREFIX)
     )

@@ -214,6 +214,7 @@ def _rank_plan(recipe, dims: ParallelDims, rank: int):
             units=units,
             sharded=not (lora and world == 1),  # one LoRA process: no FSDP
             stage=stage,
+            microbatches=micro,
         )
         counts = parameter_counts(model)
         traffic = communication(
