@@ -13,9 +13,8 @@ activation checkpointing, DP 2, CP 2 · EP 2, TP 2 + SP, PP 2 (1F1B), PP 2 inter
 PP 2 × DP 2 (the PP rows with 2 micro-batches).
 
 Then the memory of the same layouts (``--what memory``), each fed the rows its plan counts
-(:func:`planned_rows`: the synthetic stream, full rows at the recipe's largest image grid; the
-demo dataset's images are larger than tiny's grids, which the planner plans): each planned
-rank's counted peak
+exactly (:func:`planned_rows`: the synthetic stream, full rows at the recipe's largest image
+grid): each planned rank's counted peak
 (:attr:`qwen35_trainer.plan.memory.Memory.peak`, the tensors the planner counts) against the
 peak one step of that layout really allocates on that rank
 (:func:`qwen35_trainer.plan.memory_probe.rank_peaks`: the ranks side by side, the trainer's own
@@ -123,10 +122,10 @@ def measured_step(recipe: str, sets: tuple[str, ...], world: int) -> float:
 
 
 def planned_rows(recipe) -> tuple[str, ...]:
-    """Sets that feed ``recipe`` the rows its plan counts: the synthetic stream, every image of
-    the recipe's largest grid, each micro-batch's samples filling its packed row exactly (the
-    planner plans full rows at ``data.image_grids``; a dataset's own images and fill are not
-    what it reads)."""
+    """Sets that feed ``recipe`` the rows its plan counts exactly: the synthetic stream, every
+    image of the recipe's largest grid, each micro-batch's samples filling its packed row
+    (a dataset's rows vary: the planner counts the densest micro-batch of its first rows,
+    :mod:`qwen35_trainer.plan.dataset_media`)."""
     data, vision = recipe.data, recipe.model.vision
     grid = max(data.image_grids, key=lambda g: g[0] * g[1] * g[2])
     image = grid[0] * grid[1] * grid[2] // vision.get("spatial_merge_size", 2) ** 2 + 2

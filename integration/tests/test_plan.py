@@ -146,11 +146,10 @@ def test_headroom_terms_change_the_verdict_and_the_exit_code(capsys, monkeypatch
     assert 0 < planned.transient_gib < planned.counted_gib
     small = dataclasses.replace(planned, gpu_memory_gib=2.0)  # the context and NCCL alone
     assert quiet.fits and not small.fits and "does NOT fit in 2 GiB" in format_plan(small)
-    # tiny reads the demo dataset: the plan says its images are the recipe's grids, not the files
-    assert (
-        "images: planned as data.image_grids' largest [1, 8, 8], 1 per sample; the dataset's "
-        "own are not read (set data.image_grids to its largest grid)"
-    ) in format_plan(planned)
+    # tiny reads the demo dataset: the plan says which of its images it counted
+    assert "images: the densest micro-batch (2 packed rows) of the first 256 rows of " in (
+        format_plan(planned)
+    )
     assert main(["plan", "tiny", "--headroom", "fragmentation=-1"]) == 2
     assert "--headroom 'fragmentation=-1': expected NAME=VALUE" in capsys.readouterr().err
 

@@ -109,6 +109,7 @@ class Shape:
     patches: int  # P: vision patches on this rank
     compute_bytes: int  # b
     sequence_split: int = 1  # tp under sequence parallelism: the SP regions hold S / tp tokens
+    grids: tuple = ()  # [t, h, w] of the micro-batch's images and videos (all CP ranks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,36 +159,54 @@ class Plan:
         }
 
 
-def row_shape(recipe, cp: int) -> Shape:
+def row_shape(recipe, cp: int, grids=None) -> Shape:
     """Tokens and patches of the recipe's largest sequence, and this rank's part of it: the
     synthetic stream's row of ``pack_length``, or a dataset's packed rows of one micro-batch
     (``global_batch`` / data-parallel groups / ``grad_accum_steps`` of them, packed as one
-    sequence by :func:`qwen35_trainer.data.feed.row_micro_batches`)."""
+    sequence by :func:`qwen35_trainer.data.feed.row_micro_batches`). ``grids``: the patch
+    grids ``[t, h, w]`` of one micro-batch's images and videos (:func:`micro_grids`); its
+    frames are split evenly over CP."""
     data, vision = recipe.data, recipe.model.vision
     merge = vision.get("spatial_merge_size", 2) ** 2
-    patches = max(t * h * w for t, h, w in data.image_grids) * data.images_per_sample
-    frames = max(t for t, _, _ in data.image_grids) * data.images_per_sample
+    grids = micro_grids(recipe) if grids is None else grids
+    patches = sum(t * h * w for t, h, w in grids)
+    frames = sum(t for t, _, _ in grids)
     # one micro-batch's samples: the feed splits a rank's step over the micro-batches
     n = max(1, data.samples_per_rank // recipe.train.grad_accum_steps)
     row = data.pack_length or n * max_sample_tokens(recipe.model, data)
     if data.dataset:  # a dataset's rows of one rank and micro-batch run as one sequence
-        groups = recipe.parallel.dp_replicate * recipe.parallel.dp
-        row *= data.rows_per_step(groups) // groups // recipe.train.grad_accum_steps
-    local_frames = math.ceil(n * frames / cp)
+        row *= micro_rows(recipe)
+    local_frames = math.ceil(frames / cp)
     return Shape(
         tokens=math.ceil(row / cp) if data.packing else row,
         row_tokens=row,
-        image_tokens=n * patches // merge,
+        image_tokens=patches // merge,
         patches=local_frames * patches // max(frames, 1),
         compute_bytes=2 if recipe.train.dtype == "bfloat16" else 4,
         sequence_split=recipe.parallel.tp if recipe.parallel.sp else 1,
+        grids=tuple(tuple(g) for g in grids),
     )
 
 
-def _rank_plan(recipe, dims: ParallelDims, rank: int):
+def micro_rows(recipe) -> int:
+    """A dataset's packed rows in one micro-batch of one data-parallel group."""
+    groups = recipe.parallel.dp_replicate * recipe.parallel.dp
+    return recipe.data.rows_per_step(groups) // groups // recipe.train.grad_accum_steps
+
+
+def micro_grids(recipe) -> list[list[int]]:
+    """The synthetic stream's images of one micro-batch, every one of the largest grid of
+    ``data.image_grids`` (a dataset's: :mod:`.dataset_media`)."""
+    data = recipe.data
+    samples = max(1, data.samples_per_rank // recipe.train.grad_accum_steps)
+    largest = max(data.image_grids, key=lambda g: g[0] * g[1] * g[2])
+    return [list(largest)] * (samples * data.images_per_sample)
+
+
+def _rank_plan(recipe, dims: ParallelDims, rank: int, grids):
     """``(Memory, (total, routed, MTP) parameters, communication, Work)`` of ``rank``: the model
     built on meta and parallelised on a fake world by the trainer's own code (``dims``: the
-    validated layout)."""
+    validated layout; ``grids``: one micro-batch's images, :func:`row_shape`)."""
     world = dims.world
     with fake_world(world, rank):
         objective, _ = build_training_model(
@@ -198,7 +216,7 @@ def _rank_plan(recipe, dims: ParallelDims, rank: int):
         units = [
             m for m in model.modules() if any(c.__name__ in FSDP_UNITS for c in type(m).__mro__)
         ]
-        shape = row_shape(recipe, dims.cp)
+        shape = row_shape(recipe, dims.cp, grids)
         lora = recipe.model.lora is not None
         text = model.config.text_config
         micro = recipe.train.grad_accum_steps
@@ -295,11 +313,13 @@ def plan(
     if world != p.world:
         recipe = dataclasses.replace(recipe, parallel=p.filling(world, "--world-size"))
     dims = validate_layout(recipe, world, on_this_machine=False)
+    config = build_config(recipe.model)
+    grids, images = _images(recipe, config)
     ranks, rank_traffic, work = {}, {}, {}
     # the first and last ranks; under PP the first rank of every stage (each holds other layers)
     planned = sorted({0, world - 1, *range(0, world, world // p.pp)})
     with rank_processes(min(len(planned), PLAN_PROCESSES)) as pool:
-        futures = {rank: pool.submit(_rank_plan, recipe, dims, rank) for rank in planned}
+        futures = {rank: pool.submit(_rank_plan, recipe, dims, rank, grids) for rank in planned}
         for rank, future in futures.items():
             ranks[rank], (total, routed, mtp), traffic, work[rank] = future.result()
             rank_traffic[rank] = traffic
@@ -308,10 +328,9 @@ def plan(
     fp8 = None
     if recipe.model.fp8_base:
         fp8 = fp8_summary(whole_parameters(build_meta_model(recipe.model)))
-    config = build_config(recipe.model)
     text = config.text_config
     micro = recipe.train.grad_accum_steps
-    shape = row_shape(recipe, p.cp)
+    shape = row_shape(recipe, p.cp, grids)
     groups = p.dp_replicate * p.dp
     step = Step(
         micro,
@@ -342,18 +361,32 @@ def plan(
         work=work,
         step=step,
         fp8=fp8,
-        images=_dataset_images(recipe.data),
+        images=images,
     )
 
 
-def _dataset_images(data) -> str | None:
-    """What a dataset's run is planned with for its images (:func:`row_shape`): the recipe's
-    ``image_grids``, not the files, which the planner does not read; ``None`` for the
-    synthetic stream, whose images those grids are."""
+def _images(recipe, config) -> tuple[tuple | None, str | None]:
+    """``(grids, line)``: one micro-batch's image and video grids and what the plan says of
+    them. A dataset at ``data.path``: the densest micro-batch of the rows read
+    (:mod:`.dataset_media`); unreadable, or a ``data.source`` iterable: ``data.image_grids``,
+    said so; the synthetic stream: its own images (``None``: :func:`micro_grids`)."""
+    from qwen35_trainer.plan.dataset_media import densest_micro_batch, packed_row_grids
+
+    data = recipe.data
     if not data.dataset:
-        return None
+        return None, None
     largest = list(max(data.image_grids, key=lambda g: g[0] * g[1] * g[2]))
-    return (
-        f"images: planned as data.image_grids' largest {largest}, {data.images_per_sample} per "
-        "sample; the dataset's own are not read (set data.image_grids to its largest grid)"
+    instead = f"planned as data.image_grids' largest {largest}, {data.images_per_sample} per sample"
+    if not data.path:
+        return None, f"images: {instead} (a data.source iterable is not read)"
+    try:
+        media = packed_row_grids(recipe, config)
+    except (OSError, ValueError) as err:
+        return None, f"images: {instead}: data.path could not be read ({err})"
+    grids = densest_micro_batch(media, micro_rows(recipe))
+    patches, frames = sum(t * h * w for t, h, w in grids), sum(t for t, _, _ in grids)
+    return grids, (
+        f"images: the densest micro-batch ({micro_rows(recipe)} packed rows) of the first "
+        f"{media.rows_read} rows of {media.path}: {len(grids)} images / videos, {frames} "
+        f"frames, {patches:,} patches"
     )

@@ -78,21 +78,6 @@ def row_documents(recipe, row: int) -> list[int]:
     return [doc] * (row // doc) + ([row % doc] if row % doc else [])
 
 
-def _grids(recipe) -> list[list[int]]:
-    data = recipe.data
-    samples = max(1, data.samples_per_rank // recipe.train.grad_accum_steps)
-    largest = max(data.image_grids, key=lambda g: g[0] * g[1] * g[2])
-    return [list(largest)] * (samples * data.images_per_sample)
-
-
-def _micro_patches(recipe) -> int:
-    """The patches of one micro-batch's images, every one of the largest grid."""
-    data = recipe.data
-    samples = max(1, data.samples_per_rank // recipe.train.grad_accum_steps)
-    largest = max(t * h * w for t, h, w in data.image_grids)
-    return samples * data.images_per_sample * largest
-
-
 def _passes(recipe, last_mtp_share: float) -> dict[str, float]:
     lora = recipe.model.lora
     checkpointing = recipe.train.activation_checkpointing
@@ -131,7 +116,7 @@ def rank_work(recipe, config, dims, shape, stage, units: int = 1) -> Work:
     forward = forward_flops(
         config,
         row_documents(recipe, shape.row_tokens),
-        _grids(recipe) if stage.first else [],
+        [list(g) for g in shape.grids] if stage.first else [],
         layer_types=list(stage.layer_types),
         mtp=depth,
         head=stage.last,
@@ -140,7 +125,8 @@ def rank_work(recipe, config, dims, shape, stage, units: int = 1) -> Work:
     share = {k: 1 / dims.cp / (tp if k in _TP_SHARDED else 1) for k in KINDS}
     for kind in ("experts", "mtp", "loss"):
         share[kind] = 1 / dims.cp / split
-    patches = shape.patches / max(_micro_patches(recipe), 1)  # the busiest rank's frames
+    micro = sum(t * h * w for t, h, w in shape.grids)
+    patches = shape.patches / max(micro, 1)  # the busiest rank's frames
     share |= {kind: patches for kind in KINDS if kind.startswith("vision")}
     mtp_share = depth / (depth + 1) if stage.last and depth else 0.0
     return Work(
@@ -158,6 +144,7 @@ def step_model_flops(recipe, config, shape) -> float:
     """Model FLOPs of one step (the ``mfu`` convention: three forwards of the whole model, no
     recompute, a LoRA run's too): the row of every micro-batch of every data-parallel group."""
     docs = row_documents(recipe, shape.row_tokens)
-    per_row = 3.0 * sum(forward_flops(config, docs, _grids(recipe)).values())
+    grids = [list(g) for g in shape.grids]
+    per_row = 3.0 * sum(forward_flops(config, docs, grids).values())
     groups = recipe.parallel.dp_replicate * recipe.parallel.dp
     return per_row * recipe.train.grad_accum_steps * groups
