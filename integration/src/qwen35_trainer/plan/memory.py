@@ -91,12 +91,10 @@ from qwen35_trainer.plan.stages import StageView
 
 __all__ = ["ROUTING_SKEW", "Memory", "Shape", "loss_chunk_bytes", "memory", "parameter_bytes"]
 
-# the canonical names of the decoder layers' parameters (:func:`_decoder_gradients`)
-DECODER_PREFIX = "model.language_model.layers."
+DECODER_PREFIX = "model.language_model.layers."  # the decoder layers' parameter names
 # Assumed tokens on the busiest EP rank over the mean (routing is not balanced exactly).
 ROUTING_SKEW = 1.5
-# the entries of one FP8 block's decode table: a value per byte
-_BYTE_VALUES = 256
+_BYTE_VALUES = 256  # the entries of one FP8 block's decode table: a value per byte
 
 
 @dataclasses.dataclass(frozen=True)
