@@ -173,8 +173,9 @@ def class_rates(recipe, plan, device: torch.device, call_s: float) -> dict[str, 
     return rates
 
 
-def _whole_work(one, config):
-    """The :class:`.work.Work` of the one-process recipe ``one``'s micro-batch."""
+def _whole_work(one, config, grids):
+    """The :class:`.work.Work` of the one-process recipe ``one``'s micro-batch whose images and
+    videos have the patch grids ``grids`` (the timed one's: its tower's FLOPs are its own)."""
     from qwen35_trainer.parallel import validate_layout
     from qwen35_trainer.plan.planner import row_shape
     from qwen35_trainer.plan.stages import StageView
@@ -183,7 +184,7 @@ def _whole_work(one, config):
     dims = validate_layout(one, 1, on_this_machine=False)
     types = tuple(config.text_config.layer_types)
     whole = StageView(types, True, True, 1.0, 0, 0)
-    return rank_work(one, config, dims, row_shape(one, 1), whole)
+    return rank_work(one, config, dims, row_shape(one, 1, grids), whole)
 
 
 def unexplained(seconds: float, flops: dict, rates: dict, calls: float, call_s: float) -> float:
@@ -224,7 +225,8 @@ def measure_profile(
     rates = class_rates(recipe, plan, device, call_s)
     one = single_process(recipe)
     probe = probe_step(one, device)
-    calls, seconds, work = probe.calls, probe.seconds, _whole_work(one, probe.config)
+    calls, seconds = probe.calls, probe.seconds
+    work = _whole_work(one, probe.config, probe.grids)
     other_s = unexplained(
         seconds["microbatch"], work.executed(), rates, calls["microbatch"], call_s
     )

@@ -76,13 +76,15 @@ def single_process(recipe):
 @dataclasses.dataclass(frozen=True)
 class Probe:
     """What :func:`probe_step` measured: ``seconds`` and ``calls`` of ``microbatch`` (forward
-    and backward), ``forward`` and ``step``; the feed's ``data_s``; the micro-batches."""
+    and backward), ``forward`` and ``step``; the feed's ``data_s``; the micro-batches; the
+    patch grids ``[t, h, w]`` of the timed micro-batch's images and videos."""
 
     seconds: dict[str, float]
     calls: dict[str, float]
     data_s: float
     microbatches: int
     config: Any
+    grids: tuple = ()
 
 
 @contextlib.contextmanager
@@ -168,4 +170,5 @@ def probe_step(recipe, device: torch.device, dims=None) -> Probe:
             seconds[name], calls[name] = timed(run, device)
         seconds["step"], calls["step"] = timed(built.run, device, repeats=1)
     calls = {k: float(v) for k, v in calls.items()}
-    return Probe(seconds, calls, data_s, len(built.micro), objective.model.config)
+    grids = tuple(tuple(int(v) for v in g) for g in (*batch.image_grid_thw, *batch.video_grid_thw))
+    return Probe(seconds, calls, data_s, len(built.micro), objective.model.config, grids)
