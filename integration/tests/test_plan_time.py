@@ -290,3 +290,20 @@ def test_plan_prints_the_step_time_on_the_chosen_gpu(tmp_path, capsys):
     assert "--gpu 'x': expected one of" in capsys.readouterr().err
     assert main(["plan", str(TINY), *sets, "--efficiency", "ib=0"]) == 2
     assert "--efficiency 'ib=0'" in capsys.readouterr().err
+
+
+def test_a_datasets_memory_holds_its_densest_micro_batch_and_its_time_a_typical_one():
+    """Of the packed rows read from a dataset (their patch grids), one micro-batch of 2 rows:
+    the memory's is the two rows with the most patches, the step time's the two around the
+    median (a run's steps average over its rows)."""
+    from qwen35_trainer.plan.dataset_media import (
+        DatasetMedia,
+        densest_micro_batch,
+        typical_micro_batch,
+    )
+
+    rows = (((1, 2, 2),), ((1, 8, 8),), (), ((1, 4, 4), (1, 2, 2)), ((2, 4, 4),))
+    media = DatasetMedia("rows.jsonl", 5, rows)  # patches 4, 64, 0, 20, 32
+    assert densest_micro_batch(media, 2) == ((2, 4, 4), (1, 8, 8))
+    assert typical_micro_batch(media, 2) == ((1, 2, 2), (1, 4, 4), (1, 2, 2))
+    assert densest_micro_batch(media, 9) == typical_micro_batch(media, 9)  # every row

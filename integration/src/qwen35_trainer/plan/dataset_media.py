@@ -9,7 +9,9 @@ video's frames, bad rows skipped), packed as the run packs them, and gives each 
 patch grids ``[t, h, w]``. :func:`densest_micro_batch` then takes the ``k`` rows of one
 micro-batch with the most patches among them: a plan's tower holds at least what the densest
 micro-batch read brings (a later row with larger images is not seen: :data:`DATA_ROWS` bounds
-the reading, and the plan says how many rows it read).
+the reading, and the plan says how many rows it read). A step's time is priced at the typical
+micro-batch instead (:func:`typical_micro_batch`: the rows of median patches): the run's
+steps average over its rows, while its memory must hold its densest.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["DATA_ROWS", "DatasetMedia", "densest_micro_batch", "packed_row_grids"]
+__all__ = [
+    "DATA_ROWS",
+    "DatasetMedia",
+    "densest_micro_batch",
+    "micro_rows",
+    "packed_row_grids",
+    "planned_images",
+    "typical_micro_batch",
+]
 
 DATA_ROWS = 256  # dataset rows the planner reads for their images
 _READ: dict[tuple, DatasetMedia] = {}  # what was read, per data section (a search plans many)
@@ -67,3 +77,44 @@ def densest_micro_batch(media: DatasetMedia, rows: int) -> tuple[tuple[int, int,
     """The grids of the ``rows`` packed rows with the most patches (one micro-batch's rows)."""
     ranked = sorted(media.rows, key=lambda grids: sum(t * h * w for t, h, w in grids))
     return tuple(g for grids in ranked[max(len(ranked) - rows, 0) :] for g in grids)
+
+
+def typical_micro_batch(media: DatasetMedia, rows: int) -> tuple[tuple[int, int, int], ...]:
+    """The grids of ``rows`` packed rows of median patches (a typical micro-batch's rows)."""
+    ranked = sorted(media.rows, key=lambda grids: sum(t * h * w for t, h, w in grids))
+    start = max((len(ranked) - rows) // 2, 0)
+    return tuple(g for grids in ranked[start : start + rows] for g in grids)
+
+
+def micro_rows(recipe) -> int:
+    """A dataset's packed rows in one micro-batch of one data-parallel group."""
+    groups = recipe.parallel.dp_replicate * recipe.parallel.dp
+    return recipe.data.rows_per_step(groups) // groups // recipe.train.grad_accum_steps
+
+
+def planned_images(recipe, config) -> tuple[tuple | None, str | None]:
+    """``((held, priced), line)``: one micro-batch's image and video grids its memory holds
+    and its step time is priced at, and what the plan says of them. A dataset at
+    ``data.path``: the densest and a typical micro-batch of the rows read (module
+    docstring); unreadable, or a ``data.source`` iterable: ``data.image_grids``, said so; the
+    synthetic stream: its own images (``None``: :func:`.planner.micro_grids`)."""
+    data = recipe.data
+    if not data.dataset:
+        return (None, None), None
+    largest = list(max(data.image_grids, key=lambda g: g[0] * g[1] * g[2]))
+    instead = f"planned as data.image_grids' largest {largest}, {data.images_per_sample} per sample"
+    if not data.path:
+        return (None, None), f"images: {instead} (a data.source iterable is not read)"
+    try:
+        media = packed_row_grids(recipe, config)
+    except (OSError, ValueError) as err:
+        return (None, None), f"images: {instead}: data.path could not be read ({err})"
+    rows = micro_rows(recipe)
+    grids, priced = densest_micro_batch(media, rows), typical_micro_batch(media, rows)
+    patches, frames = sum(t * h * w for t, h, w in grids), sum(t for t, _, _ in grids)
+    typical = sum(t * h * w for t, h, w in priced)
+    return (grids, priced), (
+        f"images: the densest micro-batch ({rows} packed rows) of the first "
+        f"{media.rows_read} rows of {media.path}: {len(grids)} images / videos, {frames} "
+        f"frames, {patches:,} patches (the step time: a typical one, {typical:,} patches)"
+    )

@@ -108,6 +108,7 @@ class Shape:
     compute_bytes: int  # b
     sequence_split: int = 1  # tp under sequence parallelism: the SP regions hold S / tp tokens
     grids: tuple = ()  # [t, h, w] of the micro-batch's images and videos (all CP ranks)
+    work_grids: tuple = ()  # those a step's time is priced at (a dataset's typical rows)
 
 
 @dataclasses.dataclass(frozen=True)

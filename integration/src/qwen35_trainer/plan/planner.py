@@ -28,6 +28,7 @@ from qwen35_trainer.model.mtp import MTP_PREFIX
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.whole import whole_parameters
 from qwen35_trainer.parallel import FSDP_UNITS, ParallelDims, validate_layout
+from qwen35_trainer.plan.dataset_media import micro_rows, planned_images
 from qwen35_trainer.plan.headroom import Headroom, process_groups
 from qwen35_trainer.plan.memory import ROUTING_SKEW, Memory, Shape, memory
 from qwen35_trainer.plan.stages import StageView, bubble_fraction, p2p_bytes, stage_view
@@ -159,13 +160,14 @@ class Plan:
         }
 
 
-def row_shape(recipe, cp: int, grids=None) -> Shape:
+def row_shape(recipe, cp: int, grids=None, work_grids=None) -> Shape:
     """Tokens and patches of the recipe's largest sequence, and this rank's part of it: the
     synthetic stream's row of ``pack_length``, or a dataset's packed rows of one micro-batch
     (``global_batch`` / data-parallel groups / ``grad_accum_steps`` of them, packed as one
     sequence by :func:`qwen35_trainer.data.feed.row_micro_batches`). ``grids``: the patch
     grids ``[t, h, w]`` of one micro-batch's images and videos (:func:`micro_grids`); its
-    frames are split evenly over CP."""
+    frames are split evenly over CP; ``work_grids``: those its step time is priced at
+    (default: ``grids``)."""
     data, vision = recipe.data, recipe.model.vision
     merge = vision.get("spatial_merge_size", 2) ** 2
     grids = micro_grids(recipe) if grids is None else grids
@@ -185,13 +187,8 @@ def row_shape(recipe, cp: int, grids=None) -> Shape:
         compute_bytes=2 if recipe.train.dtype == "bfloat16" else 4,
         sequence_split=recipe.parallel.tp if recipe.parallel.sp else 1,
         grids=tuple(tuple(g) for g in grids),
+        work_grids=tuple(tuple(g) for g in (grids if work_grids is None else work_grids)),
     )
-
-
-def micro_rows(recipe) -> int:
-    """A dataset's packed rows in one micro-batch of one data-parallel group."""
-    groups = recipe.parallel.dp_replicate * recipe.parallel.dp
-    return recipe.data.rows_per_step(groups) // groups // recipe.train.grad_accum_steps
 
 
 def micro_grids(recipe) -> list[list[int]]:
@@ -206,7 +203,7 @@ def micro_grids(recipe) -> list[list[int]]:
 def _rank_plan(recipe, dims: ParallelDims, rank: int, grids):
     """``(Memory, (total, routed, MTP) parameters, communication, Work)`` of ``rank``: the model
     built on meta and parallelised on a fake world by the trainer's own code (``dims``: the
-    validated layout; ``grids``: one micro-batch's images, :func:`row_shape`)."""
+    validated layout; ``grids``: one micro-batch's images held and priced, :func:`row_shape`)."""
     world = dims.world
     with fake_world(world, rank):
         objective, _ = build_training_model(
@@ -216,7 +213,7 @@ def _rank_plan(recipe, dims: ParallelDims, rank: int, grids):
         units = [
             m for m in model.modules() if any(c.__name__ in FSDP_UNITS for c in type(m).__mro__)
         ]
-        shape = row_shape(recipe, dims.cp, grids)
+        shape = row_shape(recipe, dims.cp, *grids)
         lora = recipe.model.lora is not None
         text = model.config.text_config
         micro = recipe.train.grad_accum_steps
@@ -314,7 +311,7 @@ def plan(
         recipe = dataclasses.replace(recipe, parallel=p.filling(world, "--world-size"))
     dims = validate_layout(recipe, world, on_this_machine=False)
     config = build_config(recipe.model)
-    grids, images = _images(recipe, config)
+    grids, images = planned_images(recipe, config)
     ranks, rank_traffic, work = {}, {}, {}
     # the first and last ranks; under PP the first rank of every stage (each holds other layers)
     planned = sorted({0, world - 1, *range(0, world, world // p.pp)})
@@ -330,7 +327,7 @@ def plan(
         fp8 = fp8_summary(whole_parameters(build_meta_model(recipe.model)))
     text = config.text_config
     micro = recipe.train.grad_accum_steps
-    shape = row_shape(recipe, p.cp, grids)
+    shape = row_shape(recipe, p.cp, *grids)
     groups = p.dp_replicate * p.dp
     step = Step(
         micro,
@@ -362,31 +359,4 @@ def plan(
         step=step,
         fp8=fp8,
         images=images,
-    )
-
-
-def _images(recipe, config) -> tuple[tuple | None, str | None]:
-    """``(grids, line)``: one micro-batch's image and video grids and what the plan says of
-    them. A dataset at ``data.path``: the densest micro-batch of the rows read
-    (:mod:`.dataset_media`); unreadable, or a ``data.source`` iterable: ``data.image_grids``,
-    said so; the synthetic stream: its own images (``None``: :func:`micro_grids`)."""
-    from qwen35_trainer.plan.dataset_media import densest_micro_batch, packed_row_grids
-
-    data = recipe.data
-    if not data.dataset:
-        return None, None
-    largest = list(max(data.image_grids, key=lambda g: g[0] * g[1] * g[2]))
-    instead = f"planned as data.image_grids' largest {largest}, {data.images_per_sample} per sample"
-    if not data.path:
-        return None, f"images: {instead} (a data.source iterable is not read)"
-    try:
-        media = packed_row_grids(recipe, config)
-    except (OSError, ValueError) as err:
-        return None, f"images: {instead}: data.path could not be read ({err})"
-    grids = densest_micro_batch(media, micro_rows(recipe))
-    patches, frames = sum(t * h * w for t, h, w in grids), sum(t for t, _, _ in grids)
-    return grids, (
-        f"images: the densest micro-batch ({micro_rows(recipe)} packed rows) of the first "
-        f"{media.rows_read} rows of {media.path}: {len(grids)} images / videos, {frames} "
-        f"frames, {patches:,} patches"
     )

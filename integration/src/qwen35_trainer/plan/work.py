@@ -116,7 +116,7 @@ def rank_work(recipe, config, dims, shape, stage, units: int = 1) -> Work:
     forward = forward_flops(
         config,
         row_documents(recipe, shape.row_tokens),
-        [list(g) for g in shape.grids] if stage.first else [],
+        [list(g) for g in shape.work_grids] if stage.first else [],
         layer_types=list(stage.layer_types),
         mtp=depth,
         head=stage.last,
@@ -144,7 +144,7 @@ def step_model_flops(recipe, config, shape) -> float:
     """Model FLOPs of one step (the ``mfu`` convention: three forwards of the whole model, no
     recompute, a LoRA run's too): the row of every micro-batch of every data-parallel group."""
     docs = row_documents(recipe, shape.row_tokens)
-    grids = [list(g) for g in shape.grids]
+    grids = [list(g) for g in shape.work_grids]
     per_row = 3.0 * sum(forward_flops(config, docs, grids).values())
     groups = recipe.parallel.dp_replicate * recipe.parallel.dp
     return per_row * recipe.train.grad_accum_steps * groups
