@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from qwen35_trainer.model.flops import PEAK_BF16_FLOPS
 
-__all__ = ["BACKWARD_TIME", "PUBLISHED", "published_efficiencies"]
+__all__ = ["BACKWARD_TIME", "GDN_ROW_FLOPS", "PUBLISHED", "published_efficiencies"]
 
 # forward-and-backward time over forward time of fla's chunked gated delta rule (its README,
 # GB200: 5.964 ms over 1.581 ms)
