@@ -84,7 +84,7 @@ class Plan:
     work: dict[int, Work] = dataclasses.field(default_factory=dict)  # each planned rank's
     step: Step | None = None
     fp8: str | None = None  # a base held in FP8: its modules by kind and bytes (fp8_summary)
-    images: str | None = None  # a dataset's run: the images planned in place of its own
+    images: str | None = None  # a dataset's run: which images it counts (planned_images)
 
     def rank_peak(self, rank: int) -> int:
         """``rank``'s predicted peak in bytes: its counted tensors and every headroom term of
