@@ -70,7 +70,7 @@ RECIPES = {
     # size, heads, expert and shared-expert widths and vocabulary, one 4,096-token row, each
     # expert's share of the routed rows as in the model (top 2 of 64 = top 8 of 256: 1/32),
     # 4 layers (3 Gated DeltaNet + 1 full attention, the model's period), a 2-block tower, no
-    # MTP: ~2.0 B parameters, planned at 59.7 GiB of an 80 GiB H100 (59.8 with recompute)
+    # MTP: ~2.0 B parameters, planned at 57.0 GiB of an 80 GiB H100 (58.0 with recompute)
     "35b-shaped": (
         "qwen3_5_35b_a3b",
         (

@@ -2,7 +2,8 @@
 
 - :mod:`.planner`: :func:`plan` — the model built on the meta device and parallelised by the
   trainer's own code for the first and last rank of a fake world, every byte accounted;
-- :mod:`.memory`: the per-rank tensors (parameters, gradients, optimizer state, activations);
+- :mod:`.memory`: the per-rank tensors (parameters, gradients, optimizer state, activations),
+  the activations' bytes per token by :mod:`.activations`;
 - :mod:`.headroom`: what the GPU holds beyond them (CUDA context, cuBLAS, NCCL, fragmentation);
 - :mod:`.traffic`: the bytes each rank sends per step, by kind of collective;
 - :mod:`.work`: each planned rank's FLOPs per kind and passes (forward, recompute, backward);

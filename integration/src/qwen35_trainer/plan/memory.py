@@ -17,22 +17,26 @@ with a real run's saved tensors):
   decoder stack and the MTP layers hold ``S / tp`` tokens (the ``sequence_split``): their
   checkpointed inputs, the final norm's and the router logits shrink by ``tp``, and without
   checkpointing the MoE's rows and the norms. With activation checkpointing
-  (:func:`_saved_with_checkpointing`): each decoder block's input ``S·H·b``, each vision
+  (:func:`saved_with_checkpointing`): each decoder block's input ``S·H·b``, each vision
   block's ``P·Hv·b`` (``P`` = this rank's patches under frame sharding), and the tensors
   outside the blocks; a test compares it with a real forward's saved tensors (one process and
   CP 2 at world 4). Under pipeline parallelism the first stage checkpoints the tower WHOLE
   (:mod:`qwen35_trainer.model.pipeline.stages`): each micro-batch in flight keeps its pixels only, and
   the blocks' inputs are held once, while one micro-batch's backward recomputes the tower
-  (counted in ``recompute``; a test compares stage 0's forward with a real one at PP 2).
+  (counted in ``backward``; a test compares stage 0's forward with a real one at PP 2).
   Without checkpointing: every block's working set below — its norms, its MoE (counted from the
   saved tensors of the torch expert path; a test compares them with a real forward's at fp32
   and bf16) and its mixer's projections. Not counted: the Gated DeltaNet kernel's own per-chunk
   tensors, which depend on the kernel (the CPU's chunked rule keeps five 64 × 64 fp32 matrices
   per head and chunk, more than the block's hidden states at the real models' 32–64 heads; fla's
   kernel on GPUs keeps fewer, not measured here);
-- ``recompute``: the working set of ONE decoder block rebuilt in the backward: its norms, the
-  mixer's projections, the MoE's routed rows (``k·S`` rows, under EP times the
-  ``ROUTING_SKEW`` factor for the busiest EP rank) and the shared expert;
+- ``backward``: what ONE decoder block's backward adds while it runs. Under checkpointing its
+  working set, rebuilt: its norms, the mixer's projections, the MoE's routed rows (``k·S``
+  rows, under EP times the ``ROUTING_SKEW`` factor for the busiest EP rank) and the shared
+  expert. Without, its saved tensors are already the ``activations`` line, and what it adds is
+  the gradients in flight (:func:`backward_transient`: the residual stream's and those through
+  the experts' SwiGLU, a few ``S``-row tensors; counting the working set again, as this line
+  did, put tiny-512's one-process step at 1.08 of its measured peak, against 1.03);
 - ``loss``: the chunked loss's fp32 gradients kept from the forward (``grad_hidden S·H·4`` and,
   when ``lm_head`` trains, ``grad_weight V·H·4``) plus one chunk's working set
   (:func:`loss_chunk_bytes`: chunked-loss's own rule, at most its 256 MiB budget, fewer bytes
@@ -60,18 +64,23 @@ with a real run's saved tensors):
 - ``cp_buffers``: full attention's K/V of the whole row gathered over CP (``L_full · T ·
   2·kv·hd · b`` for one layer at a time) and the Gated DeltaNet's passed state (fp32);
 - ``vision``: the merged image features of the whole row gathered over CP (``T_img · H · b``);
-- ``freed_for_grads`` (≤ 0; one micro-batch per step, no PP): the backward frees each decoder
-  layer's saved tensors as it makes that layer's gradients (the optimizer zeroes them to
-  ``None`` each step, so none exist before), which rise from none to all of the decoder's
-  ``G_dec`` while its activations ``A_dec`` fall to none, the rest of both held throughout: the
-  peak holds ``max(A_dec, G_dec)`` of them, not both, and this line is ``−min(A_dec, G_dec)``.
-  With more micro-batches the earlier ones' gradients are held through the later ones'
-  forwards (the lines add up); under PP, ``pp_grads``' rule;
+- ``freed_for_grads`` (≤ 0): the backward frees each decoder layer's saved tensors as it makes
+  that layer's gradients (the optimizer zeroes them to ``None`` each step, so none exist
+  before). With one micro-batch per step and no PP, the decoder's gradients rise from none to
+  all of ``G_dec`` while its activations ``A_dec`` fall to none, the rest of both held
+  throughout; and the unit in its backward holds its gradient unsharded (``U``, in
+  ``fsdp_buffers``) while its shard ``g`` (in ``G_dec``) is made only after. The peak holds
+  ``max(A_dec, G_dec − g + U)`` of the three, not their sum: this line is ``−min(G_dec + U,
+  A_dec + g)``. Under PP, on a rank whose every forward runs before its first backward
+  (:attr:`.stages.StageView.forwards_first`), the first backward trades one micro-batch's
+  activations for the stage's ``pp_grads`` in the same way: ``−min(A_mb, pp_grads)``. With
+  more micro-batches (or a later forward) the earlier ones' gradients are held through the
+  later ones' forwards: 0, the lines add up;
 - the multi-token-prediction head (``D`` depths, :mod:`qwen35_trainer.model.mtp`): its
   parameters, gradients and optimizer state are counted with the rest (exact); per depth its
   layer is one more full-attention block (its input ``S·H·b`` saved under checkpointing, its
   working set without), and outside it the concatenated ``fc`` input ``2·S·H·b`` and the three
-  RMSNorms' fp32 inputs and outputs (``6·S·H·4``) are saved (:func:`_mtp_saved`); its
+  RMSNorms' fp32 inputs and outputs (``6·S·H·4``) are saved (:func:`mtp_saved`); its
   chunked loss recomputes its logits in the backward, so it keeps no gradient from the forward
   (its working chunk is the ``loss`` line's one chunk).
 """
@@ -87,6 +96,14 @@ from torch import nn
 from qwen35_trainer.model.lora.adapters import is_adapter
 from qwen35_trainer.model.params import named_parameters
 from qwen35_trainer.model.weights.shards import local_index
+from qwen35_trainer.plan.activations import (
+    Shape,
+    backward_transient,
+    block_working_set,
+    mtp_saved,
+    saved_with_checkpointing,
+    tower_saved,
+)
 from qwen35_trainer.plan.stages import StageView
 
 __all__ = ["ROUTING_SKEW", "Memory", "Shape", "loss_chunk_bytes", "memory", "parameter_bytes"]
@@ -98,26 +115,12 @@ _BYTE_VALUES = 256  # the entries of one FP8 block's decode table: a value per b
 
 
 @dataclasses.dataclass(frozen=True)
-class Shape:
-    """The sizes the activation formulas need, from the model config and the recipe."""
-
-    tokens: int  # S: tokens of the row(s) on this rank
-    row_tokens: int  # T: tokens of one packed row (all CP ranks)
-    image_tokens: int  # merged vision tokens of the row
-    patches: int  # P: vision patches on this rank
-    compute_bytes: int  # b
-    sequence_split: int = 1  # tp under sequence parallelism: the SP regions hold S / tp tokens
-    grids: tuple = ()  # [t, h, w] of the micro-batch's images and videos (all CP ranks)
-    work_grids: tuple = ()  # those a step's time is priced at (a dataset's typical rows)
-
-
-@dataclasses.dataclass(frozen=True)
 class Memory:
     parameters: int
     gradients: int
     optimizer: int
     activations: int
-    recompute: int
+    backward: int
     loss: int
     fsdp_buffers: int
     cp_buffers: int
@@ -203,88 +206,6 @@ def _dequantized(model: nn.Module, b: int) -> int:
     return most
 
 
-def _norms_saved(h: int, b: int) -> int:
-    """Bytes per token a block's two RMSNorms keep: each its input and its normalised output in
-    fp32 (it computes in fp32 whatever the compute dtype), and the projections after it their
-    input, its output, in ``b``: ``2·(8·H + H·b)``."""
-    return 2 * (8 * h + h * b)
-
-
-def _moe_saved(text, ep_rows: float, b: int) -> float:
-    """Bytes per token the MoE keeps for its backward (the torch expert path, its saved
-    tensors as counted by a real forward's, ``tests/test_plan_memory_probe.py``):
-
-    - routing, in fp32 and int64 whatever ``b``: the router's probabilities and the load
-      balancing loss's own (``2·4·E``), the top-k indices of each (``2·8·k``), the renormalised
-      weights, their sum and the weights the combine multiplies by (``2·4·k + 4``), the shared
-      expert's sigmoid gate (``4``);
-    - per routed row (``k`` per token, ``ep_rows`` times the mean on the busiest EP rank): the
-      gathered input row, the gate-up output (``2·I``), the SiLU's output and its product with
-      up (``I`` each), the expert's output row and its copy in token order, which the weighted
-      combine keeps: ``(3·H + 4·I)·b``, and the row's sort order and copy index (``2·8``);
-    - the shared expert's gate, up, SiLU and product (``4·I_s``) and its output, which its
-      sigmoid gate's product keeps (``H``), in ``b``."""
-    h, i, i_s = text.hidden_size, text.moe_intermediate_size, text.shared_expert_intermediate_size
-    e, k = text.num_experts, text.num_experts_per_tok
-    routing = 8 * e + 16 * k + 8 * k + 8
-    routed = ep_rows * k * ((3 * h + 4 * i) * b + 16)
-    shared = (4 * i_s + h) * b if i_s else 0
-    return routing + routed + shared
-
-
-def _block_working_set(text, s: int, ep_rows: float, b: int, full: bool) -> int:
-    """Bytes one decoder block keeps while its backward runs (no checkpointing inside): its
-    norms (:func:`_norms_saved`), its mixer's projections and its MoE (:func:`_moe_saved`).
-    The Gated DeltaNet's kernel's own per-chunk tensors are not counted (module docstring)."""
-    h = text.hidden_size
-    if full:
-        q = text.num_attention_heads * text.head_dim
-        kv = text.num_key_value_heads * text.head_dim
-        mixer = (2 * q + 2 * kv + 2 * q) * b + 4 * text.num_attention_heads
-    else:
-        qk = text.linear_num_key_heads * text.linear_key_head_dim
-        v = text.linear_num_value_heads * text.linear_value_head_dim
-        mixer = (2 * (2 * qk + v) + 3 * v) * b + 4 * v
-    return int(s * (mixer + _norms_saved(h, b) + _moe_saved(text, ep_rows, b)))
-
-
-def _tower_saved(vision, shape: Shape) -> tuple[int, int]:
-    """``(pixels, blocks)``: the bytes the checkpointed vision tower saves — its input pixels,
-    and each block's input with the merger's saved tensors (module docstring's list)."""
-    b, p, vh = shape.compute_bytes, shape.patches, vision.hidden_size
-    pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    return p * pixels * b, vision.depth * p * vh * b + p * 32 + 4 * p * vh * b
-
-
-def _saved_with_checkpointing(
-    text, vision, shape: Shape, stage: StageView, *, whole_tower: bool
-) -> int:
-    """Bytes saved for the backward at the end of the forward when every decoder and vision
-    block is checkpointed (the loss's own fp32 gradients are the ``loss`` line): each block's
-    input; the final RMSNorm's fp32 input and normalised output; the router logits of every
-    layer kept (fp32) for the aux loss; the vision patch embedding's input pixels and the
-    bilinear position-table indices / weights (4 int64 per patch); the merger's LayerNorm input,
-    fc1 input, activation input and fc2 input (each ``P·Hv`` elements)."""
-    b = shape.compute_bytes
-    s = shape.tokens // shape.sequence_split  # the decoder stack's tokens on this rank
-    h = text.hidden_size
-    layers = len(stage.layer_types)
-    decoder = layers * s * h * b + 2 * s * h * 4 * stage.last
-    router = layers * s * text.num_experts * 4
-    pixels, blocks = _tower_saved(vision, shape)
-    tower = pixels + (0 if whole_tower else blocks)
-    return decoder + router + tower * stage.first
-
-
-def _mtp_saved(text, shape: Shape, *, checkpointing: bool) -> int:
-    """Bytes the MTP head's forward saves for the backward (module docstring), all depths."""
-    depth = getattr(text, "mtp_num_hidden_layers", 0)
-    b, s, h = shape.compute_bytes, shape.tokens, text.hidden_size
-    s_layer = s // shape.sequence_split
-    layer = s_layer * h * b if checkpointing else _block_working_set(text, s_layer, 1.0, b, True)
-    return depth * (layer + 2 * s * h * b + 6 * s * h * 4)
-
-
 def memory(
     model: nn.Module,
     dims,
@@ -321,54 +242,40 @@ def memory(
     full_layers = sum(t == "full_attention" for t in text.layer_types)
     vh = vision.hidden_size
     if checkpointing:
-        saved = _saved_with_checkpointing(text, vision, shape, stage, whole_tower=whole_tower)
+        saved = saved_with_checkpointing(text, vision, shape, stage, whole_tower=whole_tower)
         decoder = len(stage.layer_types) * (s // shape.sequence_split) * h * b  # block inputs
     else:
         decoder = sum(
-            _block_working_set(text, s // shape.sequence_split, 1.0, b, t == "full_attention")
+            block_working_set(text, s // shape.sequence_split, 1.0, b, t == "full_attention")
             for t in stage.layer_types
         )
         tower = vision.depth * shape.patches * (6 * vh + 2 * vision.intermediate_size) * b
         saved = decoder + tower * stage.first
-    saved += _mtp_saved(text, shape, checkpointing=checkpointing) * stage.last
+    saved += mtp_saved(text, shape, checkpointing=checkpointing) * stage.last
+    one_micro_batch = saved  # the trade's activations under PP (one micro-batch's)
     saved = int(saved * stage.in_flight)
     skew = ROUTING_SKEW if dims.ep > 1 else 1.0  # one EP rank holds every routed row: no skew
-    recompute = max(_block_working_set(text, s, skew, b, full) for full in (False, True))
+    if checkpointing:
+        backward = max(block_working_set(text, s, skew, b, full) for full in (False, True))
+    else:
+        backward = backward_transient(text, s, skew, b)
     if whole_tower:  # the tower's recompute (after the decoder layers' backward)
-        recompute = max(recompute, _tower_saved(vision, shape)[1])
+        backward = max(backward, tower_saved(vision, shape)[1])
     loss = 0
     if stage.last:
         head_trains = model.lm_head.weight.requires_grad  # a LoRA run's lm_head is frozen
         loss = s * h * 4 + text.vocab_size * h * 4 * head_trains + loss_chunk_bytes(text, shape)
-    covered = {id(p) for u in units for p in u.parameters()}
-    outside = [p for p in model.parameters() if id(p) not in covered]
-    no_sync = pipelined and sharded  # torch's stages reduce-scatter after the last backward only
-    pp_grads = 0
-    if no_sync:  # each unit stays unsharded after its backward: all of them by the last one
-        pp_grads = 4 * (
-            sum(_unit_numel(u, dims.ep, trained=True) for u in units)
-            + sum(math.prod(p.shape) for p in outside if p.requires_grad)
-        )
-        unit = sum(_unit_bytes(u, dims.ep, b) for u in units)
-    else:
-        unit = max(
-            (
-                2 * _unit_bytes(u, dims.ep, b) + _unit_numel(u, dims.ep, trained=True) * 4
-                for u in units
-            ),
-            default=0,
-        )
-    root = sum(
-        math.prod(p.shape) * (_gathered(p, b) + 4 * p.requires_grad * (not no_sync))
-        for p in outside
+    fsdp, pp_grads, unit_grad, unit_shard = _fsdp_lines(
+        model, units, dims.ep, b, sharded, pipelined
     )
-    fsdp = unit + root
-    if not sharded:  # the bf16 compute copies of the modules trained in full
-        fsdp = sum(
-            _local_numel(p) * b
-            for name, _, _, p in named_parameters(model)
-            if p.requires_grad and not is_adapter(name) and b < p.dtype.itemsize
-        )
+    if not pipelined and microbatches == 1:
+        # the decoder's activations fall as its gradients rise; the unit in its backward holds its
+        # gradient unsharded (fsdp_buffers), its shard made after (module docstring)
+        trade = min(_decoder_gradients(model) + unit_grad, decoder + unit_shard)
+    elif pipelined and stage.forwards_first:
+        trade = min(int(one_micro_batch), pp_grads)
+    else:
+        trade = 0
     cp = 0
     if dims.cp > 1:
         kv = 2 * text.num_key_value_heads * text.head_dim * b
@@ -380,14 +287,14 @@ def memory(
         trained,
         2 * fp32_trained + 4 * tensors,
         saved,
-        recompute,
+        backward,
         loss,
         fsdp,
         cp,
         gathered,
         _dequantized(model, b),
         pp_grads,
-        -min(decoder, _decoder_gradients(model)) if microbatches == 1 and not pipelined else 0,
+        -trade,
     )
 
 
@@ -398,3 +305,42 @@ def _decoder_gradients(model: nn.Module) -> int:
         for name, _, _, p in named_parameters(model)
         if p.requires_grad and name.startswith(DECODER_PREFIX)
     )
+
+
+def _fsdp_lines(
+    model: nn.Module, units, ep: int, b: int, sharded: bool, pipelined: bool
+) -> tuple[int, int, int, int]:
+    """``(fsdp_buffers, pp_grads, unit_grad, unit_shard)`` (module docstring): the last two are
+    the unsharded fp32 gradient of the unit ``fsdp_buffers`` holds and this rank's shard of it
+    (0 where no unit's gradient is held there: PP, or no FSDP)."""
+    covered = {id(p) for u in units for p in u.parameters()}
+    outside = [p for p in model.parameters() if id(p) not in covered]
+    no_sync = pipelined and sharded  # torch's stages reduce-scatter after the last backward only
+    pp_grads = unit_grad = unit_shard = 0
+    if no_sync:  # each unit stays unsharded after its backward: all of them by the last one
+        pp_grads = 4 * (
+            sum(_unit_numel(u, ep, trained=True) for u in units)
+            + sum(math.prod(p.shape) for p in outside if p.requires_grad)
+        )
+        unit = sum(_unit_bytes(u, ep, b) for u in units)
+    else:
+        unit, largest = max(
+            ((2 * _unit_bytes(u, ep, b) + _unit_numel(u, ep, trained=True) * 4, u) for u in units),
+            default=(0, None),
+            key=lambda pair: pair[0],
+        )
+        if largest is not None and sharded:
+            unit_grad = _unit_numel(largest, ep, trained=True) * 4
+            unit_shard = sum(_local_numel(p) * 4 for p in largest.parameters() if p.requires_grad)
+    root = sum(
+        math.prod(p.shape) * (_gathered(p, b) + 4 * p.requires_grad * (not no_sync))
+        for p in outside
+    )
+    fsdp = unit + root
+    if not sharded:  # the bf16 compute copies of the modules trained in full
+        fsdp = sum(
+            _local_numel(p) * b
+            for name, _, _, p in named_parameters(model)
+            if p.requires_grad and not is_adapter(name) and b < p.dtype.itemsize
+        )
+    return fsdp, pp_grads, unit_grad, unit_shard

@@ -40,6 +40,7 @@ __all__ = [
     "measure_peak",
     "persistent_bytes",
     "rank_peaks",
+    "rank_peaks_each",
 ]
 
 
@@ -164,15 +165,24 @@ def measure_peak(recipe, device: torch.device, dims=None) -> MemoryPeak:
     return MemoryPeak(persistent + peak - start, persistent, held)
 
 
-def _rank_peak(rank: int, ranks: int, device: torch.device, recipe) -> MemoryPeak:
+def _rank_peaks(rank: int, ranks: int, device: torch.device, recipes) -> list[MemoryPeak]:
     from qwen35_trainer.parallel import validate_layout
 
-    return measure_peak(recipe, device, validate_layout(recipe, ranks))
+    return [measure_peak(recipe, device, validate_layout(recipe, ranks)) for recipe in recipes]
 
 
 def rank_peaks(recipe, ranks: int, timeout: float = 600) -> dict[int, MemoryPeak]:
     """Each rank's :class:`MemoryPeak` of ``recipe``'s layout run on ``ranks`` local processes
     side by side (:func:`.local_ranks.run_on_local_ranks`)."""
+    return rank_peaks_each([recipe], ranks, timeout)[0]
+
+
+def rank_peaks_each(recipes, ranks: int, timeout: float = 600) -> list[dict[int, MemoryPeak]]:
+    """:func:`rank_peaks` of each of ``recipes`` (each laid out on ``ranks``), one after the
+    other in one launch of the ranks."""
     from qwen35_trainer.plan.local_ranks import run_on_local_ranks
 
-    return run_on_local_ranks(ranks, _rank_peak, recipe, what="a step's memory", timeout=timeout)
+    per_rank = run_on_local_ranks(
+        ranks, _rank_peaks, list(recipes), what="a step's memory", timeout=timeout
+    )
+    return [{rank: peaks[i] for rank, peaks in per_rank.items()} for i in range(len(recipes))]

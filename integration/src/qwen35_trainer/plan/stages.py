@@ -17,8 +17,16 @@ Bubble (the share of a step a rank idles, equal-cost stages): ``(pp - 1) / (m + 
 for GPipe and 1F1B, ``(pp - 1) / (v·m + pp - 1)`` interleaved, and ``(pp - 1) / (3·v·m + pp -
 1)`` for interleaved zero bubble: with the forward, the inputs' backward and the weights'
 backward taking equal time (ZB-H1's model), the deferred weight passes fill two thirds of the
-interleaved bubble. Its in-flight count is interleaved 1F1B's (the inputs a deferred weight
-pass still needs are held a little longer: not modelled).
+interleaved bubble. Its in-flight count is interleaved 1F1B's plus one stage chunk: the
+chunk whose weights' backward is deferred past the next forward keeps its saved tensors until
+that pass runs.
+
+``forwards_first``: every forward of the step runs on this rank before its first backward
+(GPipe; 1F1B's and interleaved 1F1B's ranks whose warm-up covers all ``m`` micro-batches), and
+that backward makes the weights' gradients as it frees the saved tensors (not a split
+backward). Then the first backward trades one micro-batch's activations for the stage's
+gradients, and no later forward brings activations back on top of them
+(:mod:`qwen35_trainer.plan.memory`'s ``freed_for_grads``).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class StageView:
     in_flight: float
     sends: int  # stage boundaries it sends across (forward activations; gradients back)
     receives: int
+    forwards_first: bool = False  # module docstring
 
 
 def stage_view(pipeline: Any, layer_types: list[str], microbatches: int, pp: int) -> StageView:
@@ -55,6 +64,7 @@ def stage_view(pipeline: Any, layer_types: list[str], microbatches: int, pp: int
         in_flight = float(min(microbatches, pp - rank))
     else:
         chunks = (v - 1) * pp + 2 * (pp - 1 - rank) + 1
+        chunks += plan.schedule in SPLIT_BACKWARD  # the chunk whose weights' pass is deferred
         in_flight = min(float(microbatches), chunks / v)
     return StageView(
         layer_types=held,
@@ -63,6 +73,7 @@ def stage_view(pipeline: Any, layer_types: list[str], microbatches: int, pp: int
         in_flight=in_flight,
         sends=sum(s < count - 1 for s in plan.mine),
         receives=sum(s > 0 for s in plan.mine),
+        forwards_first=in_flight == microbatches and plan.schedule not in SPLIT_BACKWARD,
     )
 
 
