@@ -166,16 +166,22 @@ def test_the_plan_of_a_pipeline_counts_each_stage():
 
 def test_micro_batches_in_flight_per_schedule():
     """GPipe holds every micro-batch, 1F1B ``pp - rank``, interleaved its warm-up's stage
-    chunks over the stages per rank."""
+    chunks over the stages per rank, interleaved zero bubble one chunk more (the one whose
+    weights' pass is deferred). A rank runs every forward before its first backward
+    (``forwards_first``: its backward then trades activations for gradients) under GPipe, and
+    under 1F1B where its warm-up covers all the micro-batches, never with a split backward."""
     from types import SimpleNamespace
 
-    def view(schedule, mine, count):
+    def view(schedule, mine, count, microbatches=8):
         plan_ = SimpleNamespace(stage_layers=[range(i, i + 1) for i in range(count)], mine=mine)
         plan_.schedule = schedule
-        return stage_view(SimpleNamespace(plan=plan_), ["full_attention"] * count, 8, 4)
+        layers = ["full_attention"] * count
+        return stage_view(SimpleNamespace(plan=plan_), layers, microbatches, 4)
 
-    assert view("gpipe", [0], 4).in_flight == 8
+    assert view("gpipe", [0], 4).in_flight == 8 and view("gpipe", [3], 4).forwards_first
     assert [view("1f1b", [r], 4).in_flight for r in range(4)] == [4, 3, 2, 1]
+    assert not any(view("1f1b", [r], 4).forwards_first for r in range(4))
+    assert [view("1f1b", [r], 4, 2).forwards_first for r in range(4)] == [True, True, True, False]
     interleaved = view("interleaved_1f1b", [0, 4], 8)
     assert interleaved.in_flight == (4 + 6 + 1) / 2 and interleaved.sends == 2
     assert (interleaved.first, interleaved.last, interleaved.receives) == (True, False, 1)
@@ -184,4 +190,5 @@ def test_micro_batches_in_flight_per_schedule():
     # zero bubble: the weights' passes fill two thirds of it (equal F, B and W)
     assert bubble_fraction("interleaved_zb", 4, 2, 8) == pytest.approx(3 / 51)
     zb = view("interleaved_zb", [0, 4], 8)
-    assert zb.in_flight == interleaved.in_flight
+    assert zb.in_flight == (4 + 6 + 1 + 1) / 2
+    assert not view("interleaved_zb", [0, 4], 8, 2).forwards_first
