@@ -119,15 +119,16 @@ def test_torch_adamw_paths_unchanged_on_gpu(impl):
     _assert_adamw_unchanged(impl, "cuda")
 
 
-def test_adamw_and_adam_take_torchs_fused_kernel_on_a_fused_device(monkeypatch):
-    """The rule, exercised on CPU by listing the CPU as a fused device (on a real run: CUDA):
-    "adamw" / "adam" get ``fused=True`` — the same steps as torch's fused AdamW, an empty
-    tensor included — unless the caller picked an implementation; elsewhere torch's default
-    stays."""
+def test_adamw_and_adam_pick_their_implementation_per_device(monkeypatch):
+    """The rule, exercised on the CPU by listing it as CUDA is listed: "adamw" / "adam" get
+    ``fused=True`` — the same steps as torch's fused AdamW, an empty tensor included — unless the
+    caller picked an implementation; a device not listed (the CPU itself) keeps torch's
+    default. (DTensors mixed with plain tensors: test_fsdp_dcp.py.)"""
     import safe_optim.build
 
-    assert build_optimizer([P], "adamw").defaults["fused"] is None  # CPU: torch's default
-    monkeypatch.setattr(safe_optim.build, "FUSED_DEVICE_TYPES", ("cpu",))
+    defaults = build_optimizer([P], "adamw").defaults  # the CPU: torch's default
+    assert defaults["fused"] is None and defaults["foreach"] is None
+    monkeypatch.setattr(safe_optim.build, "IMPLEMENTATION", {"cpu": "fused"})  # as CUDA is
     opt = _stepped_against_torch("cpu", {}, {"fused": True})
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
     assert build_optimizer([P, Q], "adam").defaults["fused"] is True
@@ -136,6 +137,8 @@ def test_adamw_and_adam_take_torchs_fused_kernel_on_a_fused_device(monkeypatch):
     assert build_optimizer([P], "sgd", lr=0.1).defaults.get("fused") is None
     ints = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
     assert build_optimizer([P, ints], "adamw").defaults["fused"] is None  # not all floating
+    monkeypatch.setattr(safe_optim.build, "IMPLEMENTATION", {"cpu": "foreach"})
+    assert _stepped_against_torch("cpu", {}, {"foreach": True}).defaults["foreach"] is True
 
 
 @pytest.mark.gpu

@@ -253,9 +253,40 @@ def check_dcp_reshard_world2_to_world4() -> None:
         assert_close(full(p), expected["params"][name], rtol=1e-5, atol=1e-6, name=name)
 
 
+def check_adamw_implementation_per_kind_of_parameters() -> None:
+    """``"adamw"`` with the CPU listed as CUDA is (``fused``), or with ``foreach``: over FSDP2's
+    DTensors it takes that implementation; where DTensors and plain tensors mix (``proj``
+    sharded, ``scale`` and ``gate`` not) the for-loop, since torch's foreach and fused ops refuse
+    a list that mixes them (on CUDA, torch's own default too). Each run equals one process's for-loop AdamW (every rank trains on
+    the whole batch, so the plain parameters' gradients need no averaging)."""
+    import safe_optim.build
+
+    listed = safe_optim.build.IMPLEMENTATION
+    try:
+        for implementation in ("foreach", "fused"):
+            safe_optim.build.IMPLEMENTATION = {"cpu": implementation}
+            for mixed in (False, True):
+                model = Tiny(seed=0)
+                mesh = make_mesh((dist.get_world_size(),), ("dp",))
+                fully_shard(model.proj if mixed else model, mesh=mesh)
+                opt = build_optimizer(param_groups(model), "adamw", **ADAM_KW)
+                picked = {k: v for k in ("foreach", "fused") if (v := opt.defaults[k]) is not None}
+                assert picked == ({"foreach": False} if mixed else {implementation: True}), picked
+                ref = Tiny(seed=0)
+                ref_opt = torch.optim.AdamW(param_groups(ref), foreach=False, **ADAM_KW)
+                for m, o in ((model, opt), (ref, ref_opt)):
+                    train(m, o, StepLR(o, step_size=2, gamma=0.5), 0, 3, sharded=False)
+                for name, p in model.named_parameters():
+                    expected = ref.get_parameter(name)
+                    assert_close(full(p), expected, rtol=1e-5, atol=1e-6, name=name)
+    finally:
+        safe_optim.build.IMPLEMENTATION = listed
+
+
 CHECKS = {
     2: [
         check_parity_with_single_process_adamw,
+        check_adamw_implementation_per_kind_of_parameters,
         check_without_filter_empty_shards_fail,
         check_dcp_resume_bit_identical,
         check_naive_dropping_does_not_round_trip,
