@@ -1,11 +1,10 @@
-"""Sessions: ``tests`` (every member's suite, each in its own environment, the trainer's beside
-the packages'), ``suite`` (one member's), ``lint``, ``bench``,
+"""Sessions: ``tests`` (one per package, each in its own environment), ``lint``, ``bench``,
 ``gpu`` (everything that needs a CUDA GPU, as one unattended run), ``gpu_install`` (the GPU
 install a user types, from wheels alone, checked on any Linux x86-64 machine) and ``wheelhouse``
 (the wheels that let ``tools/gpu_checks.py`` run the same GPU checks on a machine without a
 package index).
 
-Each suite's environment is built with ``uv sync --package <name> --group test`` from the
+Each ``tests`` environment is built with ``uv sync --package <name> --group test`` from the
 committed lock, so it holds ONLY that package, its own dependencies and its test group: a
 package that forgets to declare a dependency fails here, not on a user's machine.
 """
@@ -38,7 +37,6 @@ from gpu_checks import (
     suite_env,
     wheelhouse_requirements,
 )
-from side_by_side import Suite, environment, run_streams
 
 ROOT = Path(__file__).parent
 MEMBERS = members(ROOT)
@@ -57,8 +55,8 @@ ALSO_AGAINST = {
 # process, which leaves the second core idle (cold Inductor cache: 1268 s on two workers; 1425 s
 # on one, before the compiled TP layout joined). Its files go out longest first, in the order
 # integration/tests/conftest.py gives them, not xdist's (most tests first). The package suites
-# stay on one worker each (on two they took longer: cp-varlen-attn 203 s against 162 s,
-# chunked-loss 97 s against 92 s) and run beside the trainer's (``tests``).
+# stay on one worker: their time is mostly gloo launches that keep both cores busy, and on two
+# workers they took longer (cp-varlen-attn 203 s against 162 s, chunked-loss 97 s against 92 s).
 PYTEST_ARGS = {"qwen35-trainer": ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")}
 # every suite prints its slowest 15 tests (a module's gloo launch is its first test's setup), so
 # each CI log says where the time went
@@ -68,9 +66,8 @@ nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["tests", "lint"]
 
 
-def _sync(session: nox.Session, package: str, *extra: str, into: str | None = None) -> None:
-    """Install exactly ``package`` + its test group from uv.lock into the session's venv (or
-    the environment at ``into``, made with this Python where missing)."""
+def _sync(session: nox.Session, package: str, *extra: str) -> None:
+    """Install exactly ``package`` + its test group from uv.lock into the session's venv."""
     session.run_install(
         "uv",
         "sync",
@@ -81,8 +78,7 @@ def _sync(session: nox.Session, package: str, *extra: str, into: str | None = No
         "--group",
         "test",
         *extra,
-        *(("--python", sys.executable) if into else ()),
-        env={"UV_PROJECT_ENVIRONMENT": into or session.virtualenv.location},
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
         external=True,
     )
 
@@ -92,51 +88,25 @@ def _has_group(path: Path, group: str) -> bool:
         return group in tomllib.load(f).get("dependency-groups", {})
 
 
-def _commands(package: str, python: str, posargs: list[str]) -> list[list[str]]:
-    """A member's suite as commands in its folder: its pytest run, then each re-run of
-    :data:`ALSO_AGAINST` after installing the other release over the locked one."""
-    args = (*PYTEST_ARGS.get(package, ()), *DURATIONS, *posargs)
-    commands = [[python, "-m", "pytest", "tests", *args]]
-    for requirement, tests_paths in ALSO_AGAINST.get(package, []):
-        commands.append(["uv", "pip", "install", "--python", python, requirement])
-        commands.append([python, "-m", "pytest", *tests_paths, *posargs])
-    return commands
-
-
-@nox.session(venv_backend="none")
-def tests(session: nox.Session) -> None:
-    """Every member's suite, each in an environment of its own (``.nox/suites/<member>``, built
-    first, one after another) that holds only that member: the trainer's suite and, beside it,
-    the package suites one after another (``tools/side_by_side.py``: why). Each suite's output
-    is printed whole when it ends; the session fails when any suite did, naming them. Arguments
-    after ``--`` go to every pytest run."""
-    env = environment(suite_env())
-    suites = {}
-    for package, path in MEMBERS.items():
-        into = ROOT / ".nox" / "suites" / package
-        _sync(session, package, into=str(into))
-        commands = _commands(package, str(into / "bin" / "python"), session.posargs)
-        suites[package] = Suite(package, path, commands, env)
-    trainer = suites.pop("qwen35-trainer")
-    ended = run_streams([[trainer], list(suites.values())], ROOT / ".nox" / "suite-logs")
-    for name, outcome in ended.items():
-        session.log(
-            f"{name}: {'passed' if outcome.code == 0 else 'FAILED'} in {outcome.seconds:.0f} s"
-        )
-    failed = sorted(name for name, outcome in ended.items() if outcome.code)
-    if failed:
-        session.error(f"failed: {', '.join(failed)} (their output above; logs in .nox/suite-logs)")
-
-
 @nox.session
 @nox.parametrize("package", list(MEMBERS))
-def suite(session: nox.Session, package: str) -> None:
-    """One member's suite, alone, in an environment that holds only that member."""
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's suite in an environment that holds only that package."""
     _sync(session, package)
     session.chdir(MEMBERS[package])
-    python = str(Path(session.virtualenv.location) / "bin" / "python")
-    for command in _commands(package, python, session.posargs):
-        session.run(*command, env=suite_env(), external=True)
+    args = (*PYTEST_ARGS.get(package, ()), *DURATIONS, *session.posargs)
+    session.run("pytest", "tests", *args, env=suite_env())
+    for requirement, tests_paths in ALSO_AGAINST.get(package, []):
+        session.run_install(
+            "uv",
+            "pip",
+            "install",
+            "--python",
+            session.virtualenv.location,
+            requirement,
+            external=True,
+        )
+        session.run("pytest", *tests_paths, *session.posargs, env=suite_env())
 
 
 @nox.session
