@@ -12,7 +12,6 @@ the end are the short ones.
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import pytest
@@ -39,14 +38,6 @@ def pytest_collection_modifyitems(items):
     file's own test order and the other files' collection order."""
     place = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: place.get(item.path.name, len(place)))
-
-
-def pytest_collection_finish(session):
-    """Every test module is imported now and none of it is garbage: frozen, the full collection
-    each training run ends with (its release) scans what the tests create, not all the imports
-    (0.3-0.7 s a run otherwise; gloo ranks freeze theirs in dist-testkit)."""
-    gc.collect()
-    gc.freeze()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ deadline.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -96,10 +95,6 @@ def _rank_main(
             timeout=timedelta(seconds=timeout_s),
         )
         conn.send_bytes(pickle.dumps(("ready", None)))
-        # What the rank imported is never garbage: frozen, a full collection (a trainer runs one
-        # as each run releases its model) scans only what the checks create, not all of torch
-        gc.collect()
-        gc.freeze()
         try:
             outcome = Outcome(True, fn(*args, **kwargs))
         finally:
