@@ -257,8 +257,9 @@ def check_adamw_implementation_per_kind_of_parameters() -> None:
     """``"adamw"`` with the CPU listed as CUDA is (``fused``), or with ``foreach``: over FSDP2's
     DTensors it takes that implementation; where DTensors and plain tensors mix (``proj``
     sharded, ``scale`` and ``gate`` not) the for-loop, since torch's foreach and fused ops refuse
-    a list that mixes them (on CUDA, torch's own default too). Each run equals one process's for-loop AdamW (every rank trains on
-    the whole batch, so the plain parameters' gradients need no averaging)."""
+    a list that mixes them (on CUDA, torch's own default too). Each run equals one process's
+    for-loop AdamW (every rank trains on the whole batch, so the plain parameters' gradients
+    need no averaging)."""
     import safe_optim.build
 
     listed = safe_optim.build.IMPLEMENTATION
